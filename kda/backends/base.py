@@ -1,0 +1,181 @@
+"""What a backend is: a class with a name, a version, a capability check that gives reasons, and kernels.
+
+A backend never validates its inputs: it receives a `KDASpec` that already passed every rule of the
+contract, and it answers two questions with a `Verdict` (never a bare bool), so that `kda.explain` and
+error messages can say why it was or was not used:
+
+- `available()`: can it run on this machine at all (packages import, device and architecture fit)?
+- `supports(spec)`: does it implement this particular call (gate mode, dtypes, head dims, ...)?
+
+Then `forward` computes ``(o, final_state)`` and, for backends that train, `backward` computes every
+gradient from what `forward` saved. Bump `version` whenever the numbers a backend produces can
+change: it is part of the verification fingerprint, so a new version starts unverified.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kda.spec import KDASpec
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A yes or no with the reasons behind it. Truthy when `ok`."""
+
+    ok: bool
+    reasons: tuple[str, ...] = ()
+
+    @classmethod
+    def yes(cls, *notes: str) -> Verdict:
+        return cls(True, tuple(notes))
+
+    @classmethod
+    def no(cls, *reasons: str) -> Verdict:
+        if not reasons:
+            raise ValueError("a negative verdict needs at least one reason")
+        return cls(False, tuple(reasons))
+
+    @classmethod
+    def unless(cls, reasons: Iterable[str]) -> Verdict:
+        """Yes when `reasons` (the broken requirements) is empty, else no with them."""
+        found = tuple(reasons)
+        return cls(not found, found)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        head = "yes" if self.ok else "no"
+        return head + (": " + "; ".join(self.reasons) if self.reasons else "")
+
+
+@dataclass
+class KDAInputs:
+    """The tensors of one call, as the caller passed them (never modified by a backend)."""
+
+    q: torch.Tensor  # [B, T, H, K]
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, HV, V]
+    g: torch.Tensor  # [B, T, HV, K]: log decay, or the raw gate input with use_gate_in_kernel
+    beta: torch.Tensor  # [B, T, HV]
+    A_log: torch.Tensor | None = None  # [HV] fp32
+    dt_bias: torch.Tensor | None = None  # [HV*K] or [HV, K] fp32
+    initial_state: torch.Tensor | None = None  # [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first)
+    cu_seqlens: torch.Tensor | None = None  # [N+1] int32/int64, on q's device
+    cu_seqlens_cpu: torch.Tensor | None = None  # host copy of cu_seqlens, when the caller has one
+
+    DIFFERENTIABLE: ClassVar[tuple[str, ...]] = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+    def differentiable(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(self, name) for name in self.DIFFERENTIABLE}
+
+    def host_cu_seqlens(self) -> list[int] | None:
+        """The sequence boundaries as Python ints (a device sync when only a device copy exists)."""
+        source = self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens
+        return None if source is None else [int(x) for x in source.tolist()]
+
+
+@dataclass
+class KDAOutputs:
+    """Output buffers a backend may be asked to write into (see `Backend.writes_into_outputs`)."""
+
+    o: torch.Tensor  # [B, T, HV, V] in q's dtype
+    final_state: torch.Tensor | None = None  # the state shape of the spec, fp32
+
+
+@dataclass
+class ForwardResult:
+    o: torch.Tensor  # [B, T, HV, V] in q's dtype
+    final_state: torch.Tensor | None  # [N, HV, K, V] (or [N, HV, V, K]) fp32, when asked for
+    saved: Any = None  # whatever backward needs beyond the inputs (kept on the autograd context)
+
+
+@dataclass
+class KDAGradients:
+    """Gradients with respect to the inputs as passed: dg is for the raw gate input when the gate is
+    applied in kernel, dbeta for the raw logits with the in-kernel sigmoid. None where not computed."""
+
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    dg: torch.Tensor | None = None
+    dbeta: torch.Tensor | None = None
+    dA_log: torch.Tensor | None = None
+    ddt_bias: torch.Tensor | None = None
+    dinitial_state: torch.Tensor | None = None
+
+    def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.dq, self.dk, self.dv, self.dg, self.dbeta, self.dA_log, self.ddt_bias, self.dinitial_state)
+
+
+@dataclass
+class BackendInfo:
+    """Static facts shown by `kda.explain` and the verifier."""
+
+    name: str
+    version: str
+    priority: int
+    trains: bool
+    description: str = ""
+    extras: dict[str, str] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """Base class of every KDA backend. Subclass it, then `kda.register_backend(MyBackend)`.
+
+    Class attributes:
+        name: unique registry name (``backend="name"`` selects it).
+        version: bump when the numbers can change; part of the verification fingerprint.
+        priority: static rank for ``auto`` when no timing decides (higher first). torch is 0.
+        trains: whether `backward` is implemented; forward-only backends serve only calls that need no
+            gradient.
+        writes_into_outputs: whether `forward` honours ``out=`` buffers; the verifier then passes NaN-filled
+            buffers, so that an element the kernel forgets to write fails verification.
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[str] = "0"
+    priority: ClassVar[int] = 0
+    trains: ClassVar[bool] = False
+    writes_into_outputs: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    def available(self) -> Verdict:
+        """Can this backend run here at all? Called once per process and cached by the registry."""
+        return Verdict.yes()
+
+    @abc.abstractmethod
+    def supports(self, spec: KDASpec) -> Verdict:
+        """Does this backend implement this call? List every requirement the spec breaks."""
+
+    @abc.abstractmethod
+    def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
+        """Compute ``o`` and, when ``spec.output_final_state``, the final state."""
+
+    def backward(
+        self,
+        inputs: KDAInputs,
+        spec: KDASpec,
+        saved: Any,
+        do: torch.Tensor,
+        dfinal_state: torch.Tensor | None,
+    ) -> KDAGradients:
+        """Every gradient, given ``do = dL/do`` and ``dfinal_state = dL/dS_T`` (None when unused)."""
+        raise NotImplementedError(f"backend {self.name!r} is forward-only")
+
+    def fingerprint_extras(self) -> dict[str, str]:
+        """Anything beyond the standard fingerprint that can change this backend's numbers."""
+        return {}
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(self.name, self.version, self.priority, self.trains, self.description,
+                           self.fingerprint_extras())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} v{self.version}>"

@@ -1,0 +1,58 @@
+"""Stage 2 of the torch backend: the pass over chunks that carries the state, and the output.
+
+Dense layout, one value head per row of the batch: q, k, g ``[B, HV, T, K]``, v ``[B, HV, T, V]``,
+beta ``[B, HV, T]``, state ``[B, HV, K, V]``. For each chunk (``Gamma`` its cumulative decay, ``S`` the
+state entering it, see `intra` for ``A_qk``, ``W``, ``U``)::
+
+    V_new = U - W S
+    O     = scale * ((Q * exp(Gamma)) S + A_qk V_new)
+    S    <- exp(Gamma_last)[:, None] * S + (exp(Gamma_last - Gamma) * K)^T V_new
+
+T is padded up to a multiple of the chunk with tokens that change nothing (k = v = q = 0, beta = 0,
+g = 0: no decay, no update), so a ragged tail needs no special case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kda.backends.torch.intra import chunk_scores, wy_transform
+
+
+def chunked_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule. Returns ``o [B, HV, T, V]`` and the final state ``[B, HV, K, V]``,
+    in the dtype of the inputs (which must all share one floating dtype)."""
+    B, HV, T, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    if pad:
+        q, k, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, g))
+        v = F.pad(v, (0, 0, 0, pad))
+        beta = F.pad(beta, (0, pad))
+    num_chunks = (T + pad) // C
+
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state
+    outputs = []
+    for c in range(num_chunks):
+        span = slice(c * C, (c + 1) * C)
+        q_c, k_c, v_c, b_c = q[:, :, span], k[:, :, span], v[:, :, span], beta[:, :, span]
+        gamma = g[:, :, span].cumsum(dim=-2)  # [B, HV, C, K], <= 0 and non-increasing along C
+        A_qk, A_kk = chunk_scores(q_c, k_c, b_c, gamma)
+        W, U = wy_transform(A_kk, k_c, v_c, b_c, gamma)
+        v_new = U - W @ S  # [B, HV, C, V]
+        outputs.append(scale * ((q_c * gamma.exp()) @ S + A_qk @ v_new))
+        last = gamma[:, :, -1:, :]  # [B, HV, 1, K]
+        S = last.transpose(-1, -2).exp() * S + ((last - gamma).exp() * k_c).transpose(-1, -2) @ v_new
+    o = torch.cat(outputs, dim=2)[:, :, :T]
+    return o, S

@@ -1,0 +1,58 @@
+"""Stage 1 of the torch backend: everything inside one chunk that does not depend on the state.
+
+For a chunk of C tokens (rows i, columns j) with the within-chunk cumulative log decay
+``Gamma = cumsum(g)`` (``[..., C, K]``)::
+
+    decay[i, j, d] = exp(Gamma[i, d] - Gamma[j, d])              for j <= i, else 0
+    A_qk[i, j]     = sum_d q[i, d] k[j, d] decay[i, j, d]         (j <= i)
+    A_kk[i, j]     = beta[i] sum_d k[i, d] k[j, d] decay[i, j, d] (j <  i)
+    W = (I + A_kk)^-1 (beta * (exp(Gamma) * K))                    the WY transform
+    U = (I + A_kk)^-1 (beta * V)
+
+The decay is formed from the pairwise difference of cumulative decays and masked *before* the
+exponential, so every exponent is <= 0: nothing overflows however long the chunk's cumulative decay
+(unlike ``exp(Gamma_i) * exp(-Gamma_j)``, which overflows fp32 once the chunk decays past ~88). The price
+is a ``[..., C, C, K]`` intermediate: this backend favours being obviously right over memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_decay(gamma: torch.Tensor) -> torch.Tensor:
+    """``[..., C, K] -> [..., C, C, K]``: ``exp(gamma_i - gamma_j)`` on and below the diagonal, 0 above."""
+    C = gamma.shape[-2]
+    diff = gamma[..., :, None, :] - gamma[..., None, :, :]
+    above = torch.ones(C, C, dtype=torch.bool, device=gamma.device).triu(1)
+    return diff.masked_fill(above[:, :, None], float("-inf")).exp()
+
+
+def chunk_scores(
+    q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decay-weighted causal scores of one chunk.
+
+    q, k, gamma: ``[..., C, K]``; beta: ``[..., C]``. Returns ``A_qk [..., C, C]`` (lower triangle with the
+    diagonal) and ``A_kk [..., C, C]`` (strictly lower, already scaled by beta of the row).
+    """
+    decay = causal_decay(gamma)
+    k_decayed = decay * k[..., None, :, :]  # [..., i, j, d] = k[j, d] exp(gamma_i - gamma_j)
+    A_qk = (q[..., :, None, :] * k_decayed).sum(-1)
+    A_kk = (k[..., :, None, :] * k_decayed).sum(-1).tril(-1) * beta[..., :, None]
+    return A_qk, A_kk
+
+
+def wy_transform(
+    A_kk: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [..., C, K]`` and ``U [..., C, V]``: one unit-lower-triangular solve with ``I + A_kk``.
+
+    They turn the sequential delta rule inside a chunk into matrix products: the corrected values of the
+    chunk are ``V_new = U - W S`` for the state S at the start of the chunk.
+    """
+    C = A_kk.shape[-1]
+    system = A_kk + torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
+    rhs = torch.cat([beta[..., None] * gamma.exp() * k, beta[..., None] * v], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    return solved[..., : k.shape[-1]], solved[..., k.shape[-1] :]

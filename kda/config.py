@@ -1,0 +1,33 @@
+"""Settings read from the environment, in one place.
+
+- ``KDA_VERIFY``: ``lazy`` (default) verifies a backend for a case class on first use when no record
+  exists; ``strict`` uses a backend only where ``python -m kda.verify`` left a passing record; ``off``
+  skips verification (with a warning): for debugging a backend, never for production.
+- ``KDA_CACHE_DIR``: where verification records live (default: ``$XDG_CACHE_HOME/kda`` or ``~/.cache/kda``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from kda.errors import KDAError
+
+VerifyMode = Literal["lazy", "strict", "off"]
+VERIFY_MODES: tuple[VerifyMode, ...] = ("lazy", "strict", "off")
+
+
+def verify_mode() -> VerifyMode:
+    value = os.environ.get("KDA_VERIFY", "lazy").strip().lower() or "lazy"
+    if value not in VERIFY_MODES:
+        raise KDAError(f"KDA_VERIFY must be one of {', '.join(VERIFY_MODES)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KDA_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kda"

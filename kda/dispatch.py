@@ -1,0 +1,244 @@
+"""The dispatcher: which backend runs a call, and why.
+
+For a validated spec it walks the requested backends (all registered ones for ``auto``) and asks each,
+in this order, stopping at the first no:
+
+1. **available**: can it run on this machine at all (cached per process);
+2. **supports**: does it implement this call;
+3. **gradients**: a forward-only backend serves only calls that need no gradient;
+4. **verified**: has it passed verification for this case class on this machine (DESIGN section 4)?
+   With ``KDA_VERIFY=lazy`` (default) a missing record triggers a quick verification, once; ``strict``
+   requires a record made by ``python -m kda.verify``; ``off`` trusts every backend, with a warning.
+
+Usable backends are ranked: an explicit list keeps its order; ``auto`` ranks by static priority
+(higher first). An explicit request that nothing can serve raises `BackendSelectionError` listing every
+reason; it never falls back to a backend that was not asked for. ``auto`` fails only when not even the
+torch backend can serve the call.
+
+Decisions are cached per (call shape and flags, request, registry state, records state, verify mode),
+so the walk above runs once per kind of call, not on every call. The choice is logged once per case
+class at INFO on the ``kda`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kda import config, registry
+from kda.backends.base import Backend, Verdict
+from kda.errors import BackendSelectionError
+from kda.spec import KDASpec
+
+logger = logging.getLogger("kda")
+
+Request = str | Sequence[str]
+
+_scoped: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("kda_backends", default=None)
+
+
+@contextlib.contextmanager
+def use_backends(*names: str) -> Iterator[None]:
+    """Restrict `backend="auto"` calls in this block to these backends, tried in this order.
+
+    Like an explicit ``backend=[...]``: if none of them can serve a call, that call raises with the
+    reasons. A call's own explicit ``backend=`` argument still wins over the block.
+
+        with kda.use_backends("triton", "torch"):
+            o, _ = kda.chunk_kda(q, k, v, g, beta)
+    """
+    if len(names) == 1 and not isinstance(names[0], str):
+        names = tuple(names[0])  # use_backends(["a", "b"]) also works
+    known = {b.name for b in registry.registered_backends()}
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ValueError(f"use_backends needs registered backend names; unknown: {unknown or '(none given)'}; "
+                         f"registered: {', '.join(sorted(known))}")
+    token = _scoped.set(tuple(names))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
+
+
+@dataclass
+class Consideration:
+    """How one backend fared for one call."""
+
+    backend: str
+    checks: dict[str, Verdict] = field(default_factory=dict)  # in the order they were asked
+    rank: int | None = None
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.checks) and all(self.checks.values())
+
+    @property
+    def reasons(self) -> list[str]:
+        failed = [(name, v) for name, v in self.checks.items() if not v]
+        return [f"{name}: {'; '.join(v.reasons)}" for name, v in failed]
+
+
+@dataclass
+class Decision:
+    """The outcome of dispatch for one call: what was asked, what each backend said, what was chosen."""
+
+    spec: KDASpec
+    requested: tuple[str, ...] | None  # None means auto over every registered backend
+    considered: list[Consideration]
+    chosen: Backend | None
+    verify_mode: str
+
+    def reasons(self) -> dict[str, list[str]]:
+        return {c.backend: c.reasons for c in self.considered if not c.usable}
+
+
+def _requested(request: Request) -> tuple[str, ...] | None:
+    if isinstance(request, str):
+        if request == "auto":
+            return _scoped.get()
+        return (request,)
+    names = tuple(request)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"backend must be 'auto', a backend name or a list of names; got {request!r}")
+    return names
+
+
+_warned_off = False
+_verify_locks: dict[tuple[str, str, str], threading.Lock] = {}
+_verify_locks_guard = threading.Lock()
+
+
+def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
+    """Has `backend` passed verification for this call's case class on this device?"""
+    global _warned_off
+    from kda.verify.check import verify_class
+    from kda.verify.records import default_store
+
+    key = spec.case_class.key
+    if mode == "off":
+        if not _warned_off:
+            _warned_off = True
+            warnings.warn("KDA_VERIFY=off: backends are used without verification", RuntimeWarning, stacklevel=4)
+        return Verdict.yes("not checked (KDA_VERIFY=off)")
+    store = default_store()
+    record = store.get(backend, spec.device, key)
+    if mode == "strict":
+        if record is None or record.source != "verify":
+            return Verdict.no(f"no record from `python -m kda.verify` for {key} on this machine (KDA_VERIFY=strict)")
+    elif record is None:
+        lock_key = (backend.name, str(spec.device), key)
+        with _verify_locks_guard:
+            lock = _verify_locks.setdefault(lock_key, threading.Lock())
+        with lock:
+            record = store.get(backend, spec.device, key)
+            if record is None:
+                logger.info("kda: verifying backend %r for %s on %s (first use)", backend.name, key, spec.device)
+                result = verify_class(backend, spec.case_class, spec.device, quick=True, like=spec)
+                record = result.to_record(source="lazy", quick=True)
+                store.put(backend, spec.device, [record])
+    if record.passed:
+        how = "by kda.verify" if record.source == "verify" else "on first use"
+        return Verdict.yes(f"passed {key} {how} (worst error {record.worst_ratio:.2g} x tolerance)")
+    return Verdict.no(f"failed verification of {key}: {record.reason}")
+
+
+def _consider(backend: Backend, spec: KDASpec, mode: str) -> Consideration:
+    seen = Consideration(backend.name)
+    checks = seen.checks
+    checks["available"] = registry.availability(backend)
+    if not checks["available"]:
+        return seen
+    try:
+        supports = backend.supports(spec)
+        if not isinstance(supports, Verdict):
+            supports = Verdict.no(f"supports() returned {type(supports).__name__}, not a Verdict")
+    except Exception as error:
+        supports = Verdict.no(f"supports() raised {type(error).__name__}: {error}")
+    checks["supports"] = supports
+    if not supports:
+        return seen
+    if spec.requires_grad and not backend.trains:
+        checks["gradients"] = Verdict.no("forward-only, and this call needs gradients")
+        return seen
+    checks["verified"] = verification_verdict(backend, spec, mode)
+    return seen
+
+
+def decide(spec: KDASpec, request: Request = "auto") -> Decision:
+    """Walk the candidates for `spec` and pick one (no exception when none fits: see `select`)."""
+    names = _requested(request)
+    mode = config.verify_mode()
+    if names is None:
+        candidates = registry.registered_backends()  # highest priority first
+    else:
+        candidates = []
+        for name in names:
+            try:
+                candidates.append(registry.get_backend(name))
+            except KeyError as error:
+                raise BackendSelectionError(str(error.args[0]), {name: ["not registered"]}) from None
+    considered = [_consider(b, spec, mode) for b in candidates]
+    chosen = None
+    rank = 0
+    for backend, seen in zip(candidates, considered):
+        if seen.usable:
+            seen.rank = rank
+            rank += 1
+            if chosen is None:
+                chosen = backend
+    return Decision(spec, names, considered, chosen, mode)
+
+
+_cache: dict[tuple, Decision] = {}
+_cache_lock = threading.Lock()
+_logged: set[tuple[str, str, str]] = set()
+_CACHE_LIMIT = 4096
+
+
+def _cache_key(spec: KDASpec, request: Request) -> tuple:
+    from kda.verify.records import default_store
+
+    names = _requested(request)
+    store = default_store()
+    # cu_seqlens_values vary batch to batch but change no backend's answer; leave them out.
+    if spec.cu_seqlens_values is not None or spec.cu_seqlens_values_device is not None:
+        spec = spec.model_copy(update={"cu_seqlens_values": None, "cu_seqlens_values_device": None})
+    routing = spec
+    return (routing, names, registry.generation(), id(store), store.generation, config.verify_mode())
+
+
+def select(spec: KDASpec, request: Request = "auto") -> Backend:
+    """The backend that will run `spec`; raises `BackendSelectionError` (with every reason) when none can."""
+    key = _cache_key(spec, request)
+    decision = _cache.get(key)
+    if decision is None:
+        decision = decide(spec, request)
+        if decision.chosen is not None:  # failures are not cached: the error is what the caller sees
+            with _cache_lock:
+                if len(_cache) >= _CACHE_LIMIT:
+                    _cache.clear()
+                _cache[_cache_key(spec, request)] = decision
+    if decision.chosen is None:
+        what = "auto" if decision.requested is None else ", ".join(decision.requested)
+        raise BackendSelectionError(
+            f"no backend can serve this call (requested: {what}; {spec.summary()})", decision.reasons()
+        )
+    chosen = decision.chosen
+    log_key = (spec.case_class.key, chosen.name, str(spec.device))
+    if log_key not in _logged:
+        _logged.add(log_key)
+        logger.info("kda: %s -> backend %r", spec.summary(), chosen.name)
+    return chosen
+
+
+def clear_cache() -> None:
+    """Forget cached decisions (they also expire on any registry or record change)."""
+    with _cache_lock:
+        _cache.clear()
+    _logged.clear()

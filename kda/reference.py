@@ -1,0 +1,177 @@
+"""The reference: KDA as the naive per-token recurrence, plus the input transforms.
+
+Run in float64 (`kda_reference(..., compute_dtype=torch.float64)`, the default) this is the ground
+truth every backend is verified against, the torch backend included. It is deliberately the slowest,
+plainest form: one Python-level step per token, no chunking, nothing clever that could share a bug
+with a fast kernel.
+
+Per value head, with the state ``S in R^{K x V}``::
+
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+    o_t = scale * S_t^T q_t                    (read after the update)
+
+Value head ``hv`` uses q/k head ``hv // (HV // H)`` (grouped value attention). ``S_0`` is the initial
+state or zero; the final state is ``S_T``, per sequence of a variable-length batch.
+
+The transforms (``l2norm``, ``beta_transform``, the gates) are written for any dtype and are also used
+by the torch backend: they are short enough that sharing them cannot hide a bug the recurrence would
+not catch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last (head) dimension."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def beta_transform(beta: torch.Tensor, *, sigmoid: bool, allow_neg_eigval: bool) -> torch.Tensor:
+    """``sigmoid(beta)``, or ``2 * sigmoid(beta)`` with ``allow_neg_eigval``, or beta as given."""
+    if not sigmoid:
+        return beta
+    return 2.0 * torch.sigmoid(beta) if allow_neg_eigval else torch.sigmoid(beta)
+
+
+def _gate_input(g: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """``g + dt_bias[h]`` with dt_bias given as [HV*K] or [HV, K]; g is [B, T, HV, K]."""
+    if dt_bias is None:
+        return g
+    HV, K = g.shape[-2:]
+    return g + dt_bias.reshape(HV, K).to(g.dtype)
+
+
+def softplus_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The softplus gate: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``, a log decay in (-inf, 0)."""
+    A = A_log.to(g.dtype).exp().reshape(-1, 1)  # [HV, 1]
+    return -A * F.softplus(_gate_input(g, dt_bias))
+
+
+def safe_gate(
+    g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float
+) -> torch.Tensor:
+    """The safe gate: ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))``, in (lower_bound, 0).
+
+    With ``A_log=None`` the factor ``exp(A_log)`` is 1. Because ``lower_bound >= -5``, 16 tokens decay by at
+    most 80 in log space: what lets fast kernels exponentiate per 16-token sub-chunk without overflow.
+    """
+    x = _gate_input(g, dt_bias)
+    if A_log is not None:
+        x = A_log.to(g.dtype).exp().reshape(-1, 1) * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def log_decay(
+    g: torch.Tensor,
+    *,
+    use_gate_in_kernel: bool,
+    safe_gate_on: bool,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+) -> torch.Tensor:
+    """The per-token log decay the recurrence uses, for any of the three gate modes."""
+    if not use_gate_in_kernel:
+        return g
+    if safe_gate_on:
+        assert lower_bound is not None
+        return safe_gate(g, A_log, dt_bias, lower_bound)
+    assert A_log is not None
+    return softplus_gate(g, A_log, dt_bias)
+
+
+def naive_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence batch, token by token, in the dtype of its inputs.
+
+    Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay); beta ``[B, T, HV]``;
+    initial_state ``[B, HV, K, V]`` or None. Returns ``o [B, T, HV, V]`` and ``S_T [B, HV, K, V]``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    q = q.repeat_interleave(group, dim=2)  # [B, T, HV, K]: value head hv reads q/k head hv // group
+    k = k.repeat_interleave(group, dim=2)
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(q.dtype)
+    outputs = []
+    for t in range(T):
+        k_t, b_t = k[:, t], beta[:, t, :, None]  # [B, HV, K], [B, HV, 1]
+        S = S * g[:, t].exp()[..., None]  # Diag(exp(g_t)) S
+        # (I - b k k^T) S + b k v^T  =  S + k (b (v - S^T k))^T
+        delta = b_t * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k_t))
+        S = S + k_t[..., None] * delta[:, :, None, :]
+        outputs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    if not outputs:  # an empty sequence of a variable-length batch
+        return v.new_zeros(B, 0, HV, V), S
+    return torch.stack(outputs, dim=1), S
+
+
+def kda_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA with `chunk_kda`'s arguments, computed by the naive recurrence in `compute_dtype`.
+
+    Every input is upcast to `compute_dtype` first (float64 by default), so the result is the exact
+    function of the given (possibly bf16) inputs. Differentiable: gradients of the float64 result are
+    the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`; no argument checks (the
+    caller validated through `KDASpec`).
+    """
+    cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
+    q, k, v, g, beta = map(cast, (q, k, v, g, beta))
+    A_log, dt_bias, initial_state = map(cast, (A_log, dt_bias, initial_state))
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    beta = beta_transform(beta, sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    g = log_decay(g, use_gate_in_kernel=use_gate_in_kernel, safe_gate_on=safe_gate, A_log=A_log,
+                  dt_bias=dt_bias, lower_bound=lower_bound)
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+
+    if cu_seqlens is None:
+        o, S = naive_recurrence(q, k, v, g, beta, scale, initial_state)
+    else:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        outs, states = [], []
+        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            h0 = None if initial_state is None else initial_state[n : n + 1]
+            piece = slice(start, end)
+            o_n, S_n = naive_recurrence(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], scale, h0)
+            outs.append(o_n)
+            states.append(S_n)
+        o, S = torch.cat(outs, dim=1), torch.cat(states, dim=0)
+
+    if not output_final_state:
+        return o, None
+    return o, (S.transpose(-1, -2) if state_v_first else S)

@@ -1,0 +1,226 @@
+"""Check one backend against the float64 reference on one case, and a whole case class.
+
+Pass rule (DESIGN section 4): for every output and gradient, ``||x - ref||_2 / ||ref||_2 <= tol`` and
+``x`` is finite everywhere. The backend is called directly (never through the dispatcher), so a record
+always says what that backend computed. Around the call:
+
+- outputs are poisoned: backends that take output buffers get NaN-filled ones, and on CUDA the caching
+  allocator is first handed a NaN-filled block, so an element a kernel never writes stays NaN and fails;
+- inputs are snapshotted and compared afterwards: a backend that modifies its inputs fails;
+- any exception fails the case, with the exception as the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kda.backends.base import Backend, KDAGradients, KDAInputs, KDAOutputs
+from kda.reference import kda_reference
+from kda.spec import CaseClass, KDASpec
+from kda.verify.cases import VerificationCase, cases_for, make_inputs
+from kda.verify.records import Record, Source
+
+# Relative L2 tolerances for bf16/fp16 inputs; fp32 inputs use FP32_TOLERANCE for everything.
+LOW_PRECISION_TOLERANCE = {
+    "o": 5e-3, "final_state": 5e-3,
+    "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dinitial_state": 8e-3,
+    "dg": 2e-2, "dbeta": 2e-2,
+    "dA_log": 1e-2, "ddt_bias": 1e-2,
+}
+FP32_TOLERANCE = 1e-3
+
+GRADIENT_OF = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "dA_log": "A_log",
+               "ddt_bias": "dt_bias", "dinitial_state": "initial_state"}
+
+
+def tolerance(tensor: str, dtype: str) -> float:
+    return FP32_TOLERANCE if dtype == "float32" else LOW_PRECISION_TOLERANCE[tensor]
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in float64; inf when x has a NaN or inf (NaN never passes)."""
+    x64 = x.detach().to("cpu", torch.float64)
+    if x64.shape != ref.shape:
+        return math.inf
+    if not torch.isfinite(x64).all():
+        return math.inf
+    denom = ref.norm().item()
+    num = (x64 - ref).norm().item()
+    return num / denom if denom > 0 else num
+
+
+@dataclass
+class CaseResult:
+    case: VerificationCase
+    passed: bool
+    errors: dict[str, float] = field(default_factory=dict)  # tensor -> relative L2 error
+    ratios: dict[str, float] = field(default_factory=dict)  # tensor -> error / tolerance
+    reason: str | None = None
+    seconds: float = 0.0
+    unsupported: bool = False
+
+    @property
+    def worst_ratio(self) -> float:
+        """Largest error / tolerance; inf when the backend raised before producing anything."""
+        if not self.ratios:
+            return 0.0 if self.passed or self.unsupported else math.inf
+        return max(self.ratios.values())
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.case.describe(), "passed": self.passed, "errors": self.errors, "reason": self.reason,
+                "seconds": round(self.seconds, 4)}
+
+
+def _reference(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], training: bool):
+    """float64 outputs and (when training) gradients of the reference, on the CPU."""
+    leaves = {}
+    ref_kwargs = {}
+    for name, value in kwargs.items():
+        if name in ("cu_seqlens_cpu", "chunk_size"):  # the recurrence has no chunks
+            continue
+        if isinstance(value, torch.Tensor) and name != "cu_seqlens":
+            value = value.detach().to("cpu", torch.float64)
+            if training:
+                value.requires_grad_(True)
+                leaves[name] = value
+        elif isinstance(value, torch.Tensor):
+            value = value.cpu()
+        ref_kwargs[name] = value
+    with torch.enable_grad():
+        o, state = kda_reference(**ref_kwargs)
+    outputs = {"o": o.detach(), "final_state": None if state is None else state.detach()}
+    grads: dict[str, torch.Tensor] = {}
+    if training:
+        targets, seeds = [o], [upstream["do"].cpu().double()]
+        if state is not None:
+            targets.append(state)
+            seeds.append(upstream["dfinal_state"].cpu().double())
+        found = torch.autograd.grad(targets, list(leaves.values()), seeds, allow_unused=True)
+        by_input = dict(zip(leaves.keys(), found))
+        for grad_name, input_name in GRADIENT_OF.items():
+            if input_name in by_input:
+                grad = by_input[input_name]
+                grads[grad_name] = torch.zeros_like(leaves[input_name]) if grad is None else grad
+    return outputs, grads
+
+
+def _poison_allocator(device: torch.device, sizes: list[int]) -> None:
+    """Leave NaN-filled blocks of the outputs' sizes (in bytes) in CUDA's caching allocator, so that an
+    output a kernel allocates with `torch.empty` starts as NaN rather than as whatever an earlier tensor
+    left there (the allocator hands a freed block of the right size back first)."""
+    if device.type != "cuda":
+        return
+    blocks = [torch.full((max(1, n // 4),), float("nan"), dtype=torch.float32, device=device)
+              for n in sizes for _ in range(2)]
+    del blocks
+
+
+def run_case(backend: Backend, case: VerificationCase, device: torch.device | str) -> CaseResult:
+    device = torch.device(device)
+    started = time.perf_counter()
+    cc = case.case_class
+    kwargs, upstream = make_inputs(case, device)
+    spec = KDASpec.from_call(**kwargs, requires_grad=cc.training)
+    verdict = backend.supports(spec)
+    if not verdict:
+        return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))
+
+    ref_out, ref_grads = _reference(kwargs, upstream, cc.training)
+    inputs = KDAInputs(**{n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs})
+    snapshot = {name: t.clone() for name, t in kwargs.items() if isinstance(t, torch.Tensor)}
+    result = CaseResult(case, passed=False)
+    try:
+        out = None
+        if backend.writes_into_outputs:
+            out = KDAOutputs(
+                o=torch.full((spec.B, spec.T, spec.HV, spec.V), float("nan"), dtype=spec.dtype, device=device),
+                final_state=(torch.full(spec.state_shape, float("nan"), dtype=torch.float32, device=device)
+                             if spec.output_final_state else None),
+            )
+        tokens = spec.B * spec.T
+        state_bytes = 4 * spec.num_seqs * spec.HV * spec.K * spec.V
+        o_bytes = tokens * spec.HV * spec.V * spec.dtype.itemsize
+        _poison_allocator(device, [o_bytes, state_bytes])
+        with torch.no_grad():
+            fwd = backend.forward(inputs, spec, out)
+        got = {"o": fwd.o, "final_state": fwd.final_state}
+        if fwd.o.dtype != spec.dtype:
+            raise TypeError(f"o has dtype {fwd.o.dtype}, expected q's dtype {spec.dtype}")
+        if spec.output_final_state and fwd.final_state is None:
+            raise ValueError("final_state was requested but not returned")
+        if cc.training:
+            _poison_allocator(device, [t.numel() * t.element_size() for t in snapshot.values()])
+            grads: KDAGradients = backend.backward(inputs, spec, fwd.saved, upstream["do"],
+                                                   upstream.get("dfinal_state"))
+            for grad_name in ref_grads:
+                got[grad_name] = getattr(grads, grad_name)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as error:  # a backend that raises fails verification, with its error as the reason
+        result.reason = f"{type(error).__name__}: {error}"
+        result.seconds = time.perf_counter() - started
+        return result
+
+    changed = [name for name, before in snapshot.items() if not torch.equal(before, kwargs[name])]
+    expected = {**ref_out, **ref_grads}
+    for name, ref in expected.items():
+        if ref is None:
+            continue
+        value = got.get(name)
+        err = math.inf if value is None else relative_error(value, ref)
+        result.errors[name] = err
+        result.ratios[name] = err / tolerance(name, cc.dtype)
+    failing = [f"{name} rel. error {result.errors[name]:.2e} > tol {tolerance(name, cc.dtype):.0e}"
+               for name, ratio in result.ratios.items() if not ratio <= 1.0]
+    if changed:
+        failing.append("modified its inputs: " + ", ".join(changed))
+    result.passed = not failing
+    result.reason = "; ".join(failing) or None
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+@dataclass
+class ClassResult:
+    backend: str
+    case_class: CaseClass
+    cases: list[CaseResult]
+
+    @property
+    def unsupported(self) -> bool:
+        return all(c.unsupported for c in self.cases)
+
+    @property
+    def passed(self) -> bool:
+        """At least one case ran, and every case the backend supports passed."""
+        ran = [c for c in self.cases if not c.unsupported]
+        return bool(ran) and all(c.passed for c in ran)
+
+    @property
+    def worst_ratio(self) -> float:
+        return max((c.worst_ratio for c in self.cases if not c.unsupported), default=0.0)
+
+    @property
+    def reason(self) -> str | None:
+        if self.unsupported:
+            return "unsupported: " + (self.cases[0].reason or "") if self.cases else "no cases"
+        reasons = [c.reason for c in self.cases if not c.passed and not c.unsupported and c.reason]
+        return reasons[0] if reasons else None
+
+    def to_record(self, source: Source, quick: bool) -> Record:
+        return Record(case_class=self.case_class.key, passed=self.passed, worst_ratio=self.worst_ratio,
+                      source=source, quick=quick, cases=[c.as_json() for c in self.cases], reason=self.reason)
+
+
+def verify_class(
+    backend: Backend, case_class: CaseClass, device: torch.device | str, *, quick: bool, like: KDASpec | None = None
+) -> ClassResult:
+    """Run every case of a class. Cases whose concrete sizes the backend does not support are skipped
+    (the class is unsupported when all are)."""
+    results = [run_case(backend, case, device) for case in cases_for(case_class, quick=quick, like=like)]
+    return ClassResult(backend.name, case_class, results)

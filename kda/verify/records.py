@@ -1,0 +1,229 @@
+"""Verification records: which backend passed which case class, on what exactly.
+
+A record is kept per (backend, case class) under a *fingerprint* of everything that can change the
+numbers: backend name and version (plus its own extras), kda version, the versions of torch, triton,
+helion, tilelang, flash_kda and fla, and the device (GPU name and compute capability, or the CPU). A new
+fingerprint has no records, so after any upgrade every backend starts unverified.
+
+Storage: one JSON file per (backend, fingerprint) under ``<KDA_CACHE_DIR>/verification/``. Writers take
+an exclusive lock on a side file, re-read, merge and replace the file atomically, so concurrent
+processes never lose or corrupt each other's records. A file that cannot be read or parsed counts as
+no records at all: it never breaks a call, and the next write replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from kda import config
+from kda._version import __version__
+from kda.backends.base import Backend
+
+try:  # POSIX advisory locks; elsewhere the atomic replace alone keeps files whole
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+# Distributions whose versions enter the fingerprint (import name: distribution names to try).
+TRACKED_PACKAGES: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",),
+    "triton": ("triton", "pytorch-triton"),
+    "helion": ("helion",),
+    "tilelang": ("tilelang",),
+    "flash_kda": ("tokenspeed-flashkda", "flash-kda", "flash_kda"),
+    "fla": ("fla-core", "flash-linear-attention"),
+}
+
+Source = Literal["verify", "lazy"]
+
+
+@functools.lru_cache(maxsize=1)
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the tracked packages, read from metadata once (nothing is imported)."""
+    found: dict[str, str | None] = {}
+    for name, dists in TRACKED_PACKAGES.items():
+        found[name] = None
+        for dist in dists:
+            try:
+                found[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    found["torch"] = torch.__version__  # the one actually imported
+    return found
+
+
+def device_identity(device: torch.device | str) -> dict[str, str | None]:
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return {"device": torch.cuda.get_device_name(index), "capability": f"{major}.{minor}"}
+    return {"device": f"{device.type}:{platform.machine()}", "capability": None}
+
+
+def fingerprint(backend: Backend, device: torch.device | str) -> dict[str, Any]:
+    return {
+        "backend": backend.name,
+        "backend_version": str(backend.version),
+        "backend_extras": dict(sorted(backend.fingerprint_extras().items())),
+        "kda": __version__,
+        "packages": package_versions(),
+        **device_identity(device),
+    }
+
+
+def fingerprint_id(fp: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Record:
+    """The outcome of verifying one backend on one case class."""
+
+    case_class: str
+    passed: bool
+    worst_ratio: float  # max over cases and tensors of (relative L2 error / tolerance); inf on error
+    source: Source  # "verify" (the CLI) or "lazy" (the dispatcher, on first use)
+    quick: bool
+    cases: list[dict[str, Any]] = field(default_factory=list)  # per concrete case: seed, sizes, errors
+    reason: str | None = None  # why it failed, in words
+    when: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        """Parse one stored record; raises ValueError on anything malformed (the caller then treats the
+        record as absent: a hand-edited or foreign file must never make a backend count as verified)."""
+        record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        ratio = record.worst_ratio
+        if not (
+            isinstance(record.case_class, str)
+            and type(record.passed) is bool
+            and type(record.quick) is bool
+            and isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio == ratio  # not NaN
+            and record.source in ("verify", "lazy")
+            and isinstance(record.cases, list)
+            and (record.reason is None or isinstance(record.reason, str))
+            and isinstance(record.when, (int, float))
+        ):
+            raise ValueError(f"malformed verification record: {data!r}")
+        return record
+
+
+class RecordStore:
+    """Records under one directory; `kda.verify.records.default_store()` uses ``KDA_CACHE_DIR``."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._memo: dict[Path, tuple[int, dict[str, Record]]] = {}
+        self._paths: dict[tuple, Path] = {}
+        self._lock = threading.Lock()
+        self.generation = 0  # bumped on every write by this process
+
+    def path_for(self, backend: Backend, device: torch.device | str) -> Path:
+        # Memoised on what the fingerprint is made of (not on object identity), so a backend whose
+        # version or extras change gets a new file.
+        extras = tuple(sorted((str(k), str(v)) for k, v in backend.fingerprint_extras().items()))
+        memo_key = (backend.name, str(backend.version), extras, str(device))
+        path = self._paths.get(memo_key)
+        if path is None:
+            fp = fingerprint(backend, device)
+            safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in backend.name)
+            path = self._paths[memo_key] = self.root / "verification" / f"{safe_name}-{fingerprint_id(fp)}.json"
+        return path
+
+    def load(self, backend: Backend, device: torch.device | str) -> dict[str, Record]:
+        return self._read(self.path_for(backend, device))
+
+    def get(self, backend: Backend, device: torch.device | str, case_key: str) -> Record | None:
+        return self.load(backend, device).get(case_key)
+
+    def put(self, backend: Backend, device: torch.device | str, records: list[Record]) -> None:
+        path = self.path_for(backend, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock, _file_lock(path.with_suffix(".lock")):
+            current = self._read(path, use_memo=False)
+            for record in records:
+                current[record.case_class] = record
+            payload = {
+                "fingerprint": fingerprint(backend, device),
+                "records": {key: asdict(rec) for key, rec in sorted(current.items())},
+            }
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as handle:
+                    json.dump(payload, handle, indent=1, default=_json_default)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            self._memo.pop(path, None)
+            self.generation += 1
+
+    def _read(self, path: Path, use_memo: bool = True) -> dict[str, Record]:
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            return {}
+        if use_memo:
+            memo = self._memo.get(path)
+            if memo is not None and memo[0] == stamp:
+                return dict(memo[1])
+        try:
+            entries = json.loads(path.read_text())["records"].items()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            entries = []  # corrupt or foreign: no records, never a crash
+        records = {}
+        for key, value in entries:
+            try:
+                record = Record.from_json(value)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # one malformed record is absent; the others stand
+            if record.case_class == key:
+                records[key] = record
+        self._memo[path] = (stamp, records)
+        return dict(records)
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+_stores: dict[Path, RecordStore] = {}
+
+
+def default_store() -> RecordStore:
+    """The store under the current ``KDA_CACHE_DIR`` (re-read each call, so the variable can change)."""
+    root = config.cache_dir()
+    store = _stores.get(root)
+    if store is None:
+        store = _stores[root] = RecordStore(root)
+    return store

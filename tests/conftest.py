@@ -1,0 +1,37 @@
+"""Shared test setup: an isolated record store per test, fresh seeds, and a clean dispatcher."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import torch
+
+import kda
+from kda import dispatch, registry
+
+
+@pytest.fixture(autouse=True)
+def isolated_kda(tmp_path, monkeypatch):
+    """Each test gets its own KDA_CACHE_DIR, lazy verification, and a registry with only the built-ins."""
+    monkeypatch.setenv("KDA_CACHE_DIR", str(tmp_path / "kda-cache"))
+    monkeypatch.setenv("KDA_VERIFY", "lazy")
+    registry._reset_for_tests()
+    dispatch.clear_cache()
+    yield
+    registry._reset_for_tests()
+    dispatch.clear_cache()
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test run (never one fixed seed); KDA_TEST_SEED reproduces a failure."""
+    value = int(os.environ.get("KDA_TEST_SEED", secrets.randbits(31)))
+    torch.manual_seed(value)
+    print(f"seed={value} (rerun with KDA_TEST_SEED={value})")
+    return value
+
+
+def pytest_report_header(config):
+    return f"kda {kda.__version__}, torch {torch.__version__}"

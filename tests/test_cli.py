@@ -1,0 +1,253 @@
+"""Tests of ``python -m kda.verify`` (`kda.verify.cli.main`), in process and as one subprocess.
+
+Only a few cheap case classes are run (fp32, forward, chunk 32, head dim bucket 64, ``--quick``): the full
+grid takes over a minute and is not a unit test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kda
+from kda.backends.torch import TorchBackend
+from kda.verify import cli
+from kda.verify.cases import full_grid
+from kda.verify.records import RecordStore, default_store, fingerprint, fingerprint_id
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHEAP = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd"
+CHEAP_2 = "softplus/l2/sig/fp32/dense/gva/h0+ht/c32/d64/fwd"
+JSON_KEYS = {"kda", "device", "quick", "passed", "fingerprints", "unavailable", "results"}
+RESULT_KEYS = {"backend", "case_class", "status", "worst_ratio", "cases"}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
+    call many times slower; restore the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+
+class WrongBackend(TorchBackend):
+    """The torch backend with every output 1% too large."""
+
+    name = "wrong"
+    version = "1"
+    priority = 100
+
+    def forward(self, inputs, spec, out=None):
+        result = super().forward(inputs, spec, None)
+        result.o = result.o * 1.01
+        return result
+
+
+class MissingBackend(TorchBackend):
+    name = "missing"
+
+    def available(self):
+        return kda.Verdict.no("package fancy_kernels is not installed")
+
+
+class PickyBackend(TorchBackend):
+    name = "picky"
+
+    def supports(self, spec):
+        return kda.Verdict.no("only does the safe gate")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def check_payload(payload: dict, backends: list[str], keys: list[str], *, passed: bool) -> None:
+    assert JSON_KEYS <= set(payload), set(payload) ^ JSON_KEYS
+    assert payload["kda"] == kda.__version__
+    assert payload["device"] == "cpu"
+    assert payload["quick"] is True
+    assert payload["passed"] is passed
+    assert set(payload["fingerprints"]) == set(backends)
+    results = payload["results"]
+    assert [(r["backend"], r["case_class"]) for r in results] == [(b, k) for b in backends for k in keys]
+    for r in results:
+        assert RESULT_KEYS <= set(r), r.keys()
+        assert r["status"] in {"pass", "fail", "unsupported"}
+        assert len(r["cases"]) == 1  # --quick: one case per class
+        case = r["cases"][0]
+        assert {"seed", "passed", "errors", "T", "B"} <= set(case)
+
+
+# ------------------------------------------------------------------------------------------- in process
+
+
+def test_cli_passes_torch_and_writes_json_and_records(tmp_path, capsys):
+    out_json = tmp_path / "report.json"
+    code = cli.main(["--backend", "torch", "--quick", "--case", CHEAP, "--case", CHEAP_2, "--json", str(out_json)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert CHEAP in out and CHEAP_2 in out and "2 passed, 0 failed" in out
+
+    payload = read_json(out_json)
+    check_payload(payload, ["torch"], [CHEAP, CHEAP_2], passed=True)
+    assert payload["unavailable"] == {}
+    torch_backend = kda.get_backend("torch")
+    fp = payload["fingerprints"]["torch"]
+    fp_id = fp.pop("id")
+    assert fp == json.loads(json.dumps(fingerprint(torch_backend, "cpu")))
+    assert fp_id == fingerprint_id(fingerprint(torch_backend, "cpu"))
+    for r in payload["results"]:
+        assert r["status"] == "pass"
+        assert 0 < r["worst_ratio"] <= 1
+        assert r["cases"][0]["errors"]["o"] < 1e-3
+    assert "final_state" in payload["results"][1]["cases"][0]["errors"]  # CHEAP_2 has h0+ht
+
+    # Records: one file per fingerprint, named by the same id; source "verify".
+    record_file = Path(os.environ["KDA_CACHE_DIR"]) / "verification" / f"torch-{fp_id}.json"
+    assert record_file.exists()
+    for key in (CHEAP, CHEAP_2):
+        record = default_store().get(torch_backend, "cpu", key)
+        assert record is not None and record.passed and record.source == "verify" and record.quick
+        assert record.cases and record.cases[0]["passed"] is True
+    assert set(read_json(record_file)["records"]) == {CHEAP, CHEAP_2}
+
+
+def test_cli_exit_1_when_a_backend_fails(tmp_path, capsys):
+    kda.register_backend(WrongBackend)
+    out_json = tmp_path / "report.json"
+    code = cli.main(["--backend", "wrong", "--case", CHEAP, "--quick", "--json", str(out_json)])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "wrong" in out and "0 passed, 1 failed" in out
+
+    payload = read_json(out_json)
+    check_payload(payload, ["wrong"], [CHEAP], passed=False)
+    result = payload["results"][0]
+    assert result["status"] == "fail"
+    assert result["worst_ratio"] > 1 and math.isfinite(result["worst_ratio"])
+    assert "rel. error" in result["reason"]
+    record = default_store().get(kda.get_backend("wrong"), "cpu", CHEAP)
+    assert record is not None and not record.passed and record.source == "verify"
+
+    # torch and wrong together: torch passes, the run still fails.
+    code = cli.main(["--backend", "torch", "--backend", "wrong", "--case", CHEAP, "--quick"])
+    assert code == 1
+
+
+class BoomBackend(TorchBackend):
+    name = "boom"
+
+    def forward(self, inputs, spec, out=None):
+        raise RuntimeError("boom")
+
+
+def test_cli_backend_that_raises_fails_with_null_ratio_in_json(tmp_path, capsys):
+    kda.register_backend(BoomBackend)
+    out_json = tmp_path / "report.json"
+    assert cli.main(["--backend", "boom", "--case", CHEAP, "--quick", "--json", str(out_json)]) == 1
+    assert "FAIL inf" in capsys.readouterr().out
+    result = read_json(out_json)["results"][0]
+    assert result["status"] == "fail" and result["worst_ratio"] is None  # inf is written as null
+    assert "RuntimeError: boom" in result["reason"]
+    record = default_store().get(kda.get_backend("boom"), "cpu", CHEAP)
+    assert record is not None and math.isinf(record.worst_ratio) and not record.passed
+
+
+def test_cli_exit_1_for_a_named_unavailable_backend(tmp_path, capsys):
+    kda.register_backend(MissingBackend)
+    out_json = tmp_path / "report.json"
+    code = cli.main(["--backend", "missing", "--case", CHEAP, "--quick", "--json", str(out_json)])
+    assert code == 1
+    assert "fancy_kernels" in capsys.readouterr().out
+    payload = read_json(out_json)
+    assert payload["unavailable"] == {"missing": ["package fancy_kernels is not installed"]}
+    assert payload["results"] == [] and payload["passed"] is False
+    assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists() or not list(
+        (Path(os.environ["KDA_CACHE_DIR"]) / "verification").glob("missing-*.json"))
+
+
+def test_cli_unsupported_class_is_not_a_failure_and_not_recorded(tmp_path, capsys):
+    kda.register_backend(PickyBackend)
+    out_json = tmp_path / "report.json"
+    assert cli.main(["--backend", "picky", "--case", CHEAP, "--quick", "--json", str(out_json)]) == 0
+    result = read_json(out_json)["results"][0]
+    assert result["status"] == "unsupported"
+    assert default_store().get(kda.get_backend("picky"), "cpu", CHEAP) is None
+
+
+def test_cli_exit_2_for_unknown_backend(capsys):
+    assert cli.main(["--backend", "no_such_backend", "--case", CHEAP, "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_backend" in err and "torch" in err  # names the registered ones
+    assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()
+
+
+@pytest.mark.parametrize("key", [
+    "not-a-key",
+    "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64",  # one part short
+    "pregated/qk/beta/fp32/dense/mha/nostate/c48/d64/fwd",  # chunk 48
+    "pregated/qk/beta/fp8/dense/mha/nostate/c32/d64/fwd",  # unknown dtype
+    "sigmoid/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd",  # unknown gate
+    "pregated/qk/beta/fp32/dense/mha/nostate/cXX/d64/fwd",
+])
+def test_cli_exit_2_for_malformed_case_key(capsys, key):
+    assert cli.main(["--backend", "torch", "--case", CHEAP, "--case", key, "--quick"]) == 2
+    assert "not a case-class key" in capsys.readouterr().err
+    assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()  # nothing ran
+
+
+def test_cli_bad_flag_is_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--no-such-flag"])
+    assert exit_info.value.code == 2
+
+
+def test_list_cases_round_trips(capsys):
+    assert cli.main(["--list-cases"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    expected = [cc.key for cc in full_grid()]
+    assert lines == expected
+    assert len(lines) == len(set(lines)) > 20
+    for line in lines:
+        case_class = kda.CaseClass.from_key(line)
+        assert case_class.key == line
+    assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()
+
+
+# ------------------------------------------------------------------------------------------- subprocess
+
+
+def test_cli_as_subprocess(tmp_path):
+    cache = tmp_path / "cache"
+    out_json = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KDA_CACHE_DIR": str(cache), "KDA_VERIFY": "lazy",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kda.verify", "--backend", "torch", "--quick", "--case", CHEAP, "--case", CHEAP_2,
+         "--json", str(out_json)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 passed, 0 failed" in proc.stdout
+
+    payload = read_json(out_json)
+    check_payload(payload, ["torch"], [CHEAP, CHEAP_2], passed=True)
+    assert payload["fingerprints"]["torch"]["packages"]["torch"] == torch.__version__
+
+    # The subprocess's records are this process's records: same fingerprint, source "verify".
+    store = RecordStore(cache)
+    for key in (CHEAP, CHEAP_2):
+        record = store.get(kda.get_backend("torch"), "cpu", key)
+        assert record is not None and record.passed and record.source == "verify"
+    files = sorted(p.name for p in (cache / "verification").glob("*.json"))
+    assert files == [f"torch-{payload['fingerprints']['torch']['id']}.json"]

@@ -1,0 +1,511 @@
+"""Tests of the verification records (`kda.verify.records`): fingerprints, corrupt files, concurrent writers.
+
+A record is only as good as its fingerprint: a new backend version or a new package version must leave
+every backend unverified. A broken record file must count as no record (never break a call), and
+writers in several processes must never lose each other's records.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import multiprocessing
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda
+from kda.backends.torch import TorchBackend
+from kda.verify import cli
+from kda.verify import records as records_module
+from kda.verify.records import Record, RecordStore, default_store, fingerprint, fingerprint_id, package_versions
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
+    call many times slower; restore the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_CHECK_PY = os.path.join("kda", "verify", "check.py")
+
+
+def in_verification() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECK_PY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Wrapped(kda.Backend):
+    """The torch backend under another name; `scale` != 1 makes it wrong. Counts its calls."""
+
+    name = "wrapped"
+    version = "1"
+    priority = 100
+    trains = True
+    scale = 1.0
+
+    def __init__(self):
+        self.torch = TorchBackend()
+        self.calls = 0
+        self.verify_calls = 0
+
+    def supports(self, spec):
+        return kda.Verdict.yes()
+
+    def forward(self, inputs, spec, out=None):
+        if in_verification():
+            self.verify_calls += 1
+        else:
+            self.calls += 1
+        result = self.torch.forward(inputs, spec, out)
+        if self.scale != 1.0:
+            result.o = result.o * self.scale
+        return result
+
+    def backward(self, inputs, spec, saved, do, dfinal_state):
+        return self.torch.backward(inputs, spec, saved, do, dfinal_state)
+
+
+class WrappedV2(Wrapped):
+    version = "2"
+
+
+class WrongWrapped(Wrapped):
+    name = "wrong"
+    scale = 1.01
+
+
+def inputs(T: int = 40, H: int = 1, K: int = 16, V: int = 16) -> dict[str, Any]:
+    return {
+        "q": F.normalize(torch.randn(1, T, H, K), dim=-1),
+        "k": F.normalize(torch.randn(1, T, H, K), dim=-1),
+        "v": torch.randn(1, T, H, V),
+        "g": F.logsigmoid(torch.randn(1, T, H, K) + 1.0),
+        "beta": torch.rand(1, T, H) * 0.9 + 0.05,
+        "chunk_size": 32,
+    }
+
+
+def case_key(call: dict[str, Any]) -> str:
+    return kda.KDASpec.from_call(**call).case_class.key
+
+
+def record(key: str, passed: bool = True, worst_ratio: float = 0.25, **extra: Any) -> Record:
+    return Record(case_class=key, passed=passed, worst_ratio=worst_ratio, source="verify", quick=True, **extra)
+
+
+@pytest.fixture
+def fresh_package_versions():
+    """package_versions() is cached per process; clear it around a test that fakes package versions."""
+    package_versions.cache_clear()
+    yield
+    package_versions.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------ fingerprints
+
+
+def test_backend_version_changes_the_fingerprint_and_hides_old_records(tmp_path):
+    store = RecordStore(tmp_path)
+    v1, v2 = Wrapped(), WrappedV2()
+    key = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd"
+    store.put(v1, "cpu", [record(key)])
+
+    assert fingerprint(v1, "cpu")["backend_version"] == "1"
+    assert fingerprint(v1, "cpu") != fingerprint(v2, "cpu")
+    assert fingerprint_id(fingerprint(v1, "cpu")) != fingerprint_id(fingerprint(v2, "cpu"))
+    assert store.get(v1, "cpu", key) is not None
+    assert store.get(Wrapped(), "cpu", key) is not None  # another instance, same name and version
+    assert store.get(v2, "cpu", key) is None
+    assert RecordStore(tmp_path).get(v2, "cpu", key) is None
+
+
+def test_fingerprint_extras_and_name_enter_the_fingerprint(tmp_path):
+    class Extras(Wrapped):
+        def fingerprint_extras(self):
+            return {"cutlass": "3.9"}
+
+    class Renamed(Wrapped):
+        name = "renamed"
+
+    key = "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/train"
+    # Every instance stays alive, so that no id is reused (see the next test).
+    plain, extras, renamed, plain_again = Wrapped(), Extras(), Renamed(), Wrapped()
+    store = RecordStore(tmp_path)
+    store.put(plain, "cpu", [record(key)])
+    assert fingerprint(extras, "cpu")["backend_extras"] == {"cutlass": "3.9"}
+    assert fingerprint_id(fingerprint(extras, "cpu")) != fingerprint_id(fingerprint(plain, "cpu"))
+    assert store.get(extras, "cpu", key) is None
+    assert store.get(renamed, "cpu", key) is None
+    assert store.get(plain_again, "cpu", key) is not None
+
+
+def test_store_follows_fingerprint_extras_not_object_identity(tmp_path):
+    """Regression (bug found while writing these tests, fixed in records.py since): the store memoised
+    the record file per (id(backend), name, version, device), so a backend whose fingerprint_extras
+    changed, or a new instance that reused a freed instance's id, read the old fingerprint's records."""
+
+    class Configurable(Wrapped):
+        build = "1"
+
+        def fingerprint_extras(self):
+            return {"build": self.build}
+
+    class OtherBuild(Configurable):
+        build = "2"
+
+    key = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd"
+    backend = Configurable()
+    store = RecordStore(tmp_path)
+    store.put(backend, "cpu", [record(key)])
+    assert store.get(backend, "cpu", key) is not None
+    backend.build = "2"
+    assert RecordStore(tmp_path).get(backend, "cpu", key) is None  # a fresh store
+    assert store.get(backend, "cpu", key) is None  # the same store, after the extras changed
+    backend.build = "1"
+    assert store.get(backend, "cpu", key) is not None
+
+    # A new instance with other extras, created right after the first is freed (CPython then usually
+    # hands it the same id).
+    first = Configurable()
+    store.put(first, "cpu", [record("only/build/one")])
+    del first
+    second = OtherBuild()
+    assert store.get(second, "cpu", "only/build/one") is None
+
+
+def test_new_backend_version_is_unverified_end_to_end(seed, monkeypatch):
+    call = inputs()
+    key = case_key(call)
+    v1 = Wrapped()
+    kda.register_backend(v1)
+    assert cli.main(["--backend", "wrapped", "--case", key, "--quick"]) == 0
+
+    monkeypatch.setenv("KDA_VERIFY", "strict")
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call, backend="wrapped")
+    assert [r.backend for r in routes] == ["wrapped"]
+
+    v2 = WrappedV2()
+    kda.register_backend(v2, replace=True)
+    with kda.trace_routes() as routes, pytest.raises(kda.BackendSelectionError, match="KDA_VERIFY=strict"):
+        kda.chunk_kda(**call, backend="wrapped")
+    assert routes == [] and v2.calls == 0
+
+    monkeypatch.setenv("KDA_VERIFY", "lazy")
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call, backend="wrapped")
+    assert [r.backend for r in routes] == ["wrapped"]
+    assert v2.verify_calls == 1, "the new version must be verified anew"
+    files = sorted(p.name for p in (Path(os.environ["KDA_CACHE_DIR"]) / "verification").glob("wrapped-*.json"))
+    assert len(files) == 2, files  # one per fingerprint
+
+
+def test_package_version_changes_the_fingerprint(seed, tmp_path, monkeypatch, fresh_package_versions):
+    backend = Wrapped()
+    key = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd"
+    before = fingerprint(backend, "cpu")
+    assert before["packages"]["torch"] == torch.__version__
+    RecordStore(tmp_path).put(backend, "cpu", [record(key)])
+    assert RecordStore(tmp_path).get(backend, "cpu", key) is not None
+
+    real_version = importlib.metadata.version
+
+    def fake_version(dist: str) -> str:
+        if dist == "triton":
+            return "99.1.0"
+        if dist == "torch":
+            return real_version(dist)
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    package_versions.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    after = fingerprint(backend, "cpu")
+    assert after["packages"]["triton"] == "99.1.0"
+    assert before["packages"]["triton"] != "99.1.0"
+    assert fingerprint_id(before) != fingerprint_id(after)
+    # A fresh store (as in a new process after the upgrade) finds no record.
+    assert RecordStore(tmp_path).get(backend, "cpu", key) is None
+
+    # The same through the dispatcher: a new process would verify torch again for this case class.
+    call = inputs()
+    monkeypatch.setattr(records_module, "_stores", {})
+    kda.chunk_kda(**call)
+    cache = Path(os.environ["KDA_CACHE_DIR"]) / "verification"
+    assert len(list(cache.glob("torch-*.json"))) == 1
+    torch_file = next(cache.glob("torch-*.json"))
+    assert json.loads(torch_file.read_text())["fingerprint"]["packages"]["triton"] == "99.1.0"
+
+    package_versions.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "version", real_version)
+    monkeypatch.setattr(records_module, "_stores", {})
+    torch_backend = kda.get_backend("torch")
+    assert default_store().get(torch_backend, "cpu", case_key(call)) is None  # that record is for 99.1.0
+
+
+def test_package_versions_reads_distribution_names(monkeypatch, fresh_package_versions):
+    seen: list[str] = []
+
+    def fake_version(dist: str) -> str:
+        seen.append(dist)
+        if dist == "flash-kda":
+            return "0.3"
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    found = package_versions()
+    assert found["flash_kda"] == "0.3" and found["triton"] is None and found["fla"] is None
+    assert found["torch"] == torch.__version__  # the imported torch, not the metadata
+    assert "tokenspeed-flashkda" in seen and "pytorch-triton" in seen
+
+
+# ------------------------------------------------------------------------------------------ corrupt files
+
+
+def _torch_record_path(call: dict[str, Any]) -> Path:
+    return default_store().path_for(kda.get_backend("torch"), torch.device("cpu"))
+
+
+def _valid_failing_payload(key: str) -> str:
+    """A well-formed file whose only record says torch *failed* this class (so the truncated file must not
+    be half-read)."""
+    backend = kda.get_backend("torch")
+    return json.dumps({
+        "fingerprint": fingerprint(backend, "cpu"),
+        "records": {key: asdict(record(key, passed=False, worst_ratio=3.0, reason="planted"))},
+    }, indent=1)
+
+
+CORRUPT = {
+    "garbage-bytes": lambda key: b"\x00\xff\xfe garbage \x89PNG\r\n\x1a\n" + os.urandom(64),
+    "truncated-json": lambda key: _valid_failing_payload(key)[: len(_valid_failing_payload(key)) // 2].encode(),
+    "empty-file": lambda key: b"",
+    "json-list": lambda key: b"[1, 2, 3]",
+    "json-null": lambda key: b"null",
+    "json-string": lambda key: b'"records"',
+    "records-is-list": lambda key: json.dumps({"records": [key]}).encode(),
+    "record-is-number": lambda key: json.dumps({"records": {key: 5}}).encode(),
+    "record-missing-fields": lambda key: json.dumps({"records": {key: {"passed": True}}}).encode(),
+    "no-records-key": lambda key: json.dumps({"fingerprint": {}, "recs": {}}).encode(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPT))
+def test_corrupt_record_file_counts_as_no_record(seed, kind):
+    call = inputs()
+    key = case_key(call)
+    path = _torch_record_path(call)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(CORRUPT[kind](key))
+
+    torch_backend = kda.get_backend("torch")
+    assert default_store().get(torch_backend, "cpu", key) is None
+    assert default_store().load(torch_backend, "cpu") == {}
+
+    with kda.trace_routes() as routes:
+        o, _ = kda.chunk_kda(**call)
+    assert [r.backend for r in routes] == ["torch"]
+    assert torch.isfinite(o).all()
+
+    # The lazy verification replaced the file with a valid one.
+    data = json.loads(path.read_text())
+    assert set(data) == {"fingerprint", "records"}
+    assert data["fingerprint"]["backend"] == "torch"
+    assert data["records"][key]["passed"] is True and data["records"][key]["source"] == "lazy"
+    assert RecordStore(default_store().root).get(torch_backend, "cpu", key).passed
+
+
+def _fields(key: str, **changes: Any) -> dict[str, Any]:
+    good = {"case_class": key, "passed": True, "worst_ratio": 0.5, "source": "lazy", "quick": True}
+    return {**good, **changes}
+
+
+WRONGLY_TYPED = {
+    "ratio-null": {"worst_ratio": None},
+    "ratio-string": {"worst_ratio": "0.5"},
+    "ratio-nan": {"worst_ratio": float("nan")},
+    "passed-string": {"passed": "true"},
+    "passed-int": {"passed": 1},
+    "source-unknown": {"source": "hand-edited"},
+    "cases-not-list": {"cases": "none"},
+    "reason-number": {"reason": 3},
+    "key-mismatch": {"case_class": "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/train"},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRONGLY_TYPED))
+def test_record_with_wrongly_typed_field_is_no_record(seed, kind):
+    """Regression (bug found while writing these tests, fixed since): a record whose fields had the wrong
+    types (e.g. worst_ratio null) was loaded as is; chunk_kda then raised TypeError while formatting it."""
+    call = inputs()
+    key = case_key(call)
+    path = _torch_record_path(call)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    other_key = "softplus/l2/sig/fp32/dense/gva/h0+ht/c32/d64/fwd"
+    path.write_text(json.dumps({"records": {key: _fields(key, **WRONGLY_TYPED[kind]),
+                                            other_key: _fields(other_key, source="verify")}}))
+    torch_backend = kda.get_backend("torch")
+    assert default_store().get(torch_backend, "cpu", key) is None
+    assert default_store().get(torch_backend, "cpu", other_key) is not None  # the good record stands
+
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call)
+    assert [r.backend for r in routes] == ["torch"]
+    data = json.loads(path.read_text())
+    assert data["records"][key]["passed"] is True and data["records"][key]["source"] == "lazy"
+    assert isinstance(data["records"][key]["worst_ratio"], float)
+    assert data["records"][other_key]["source"] == "verify"  # merged, not dropped
+
+
+def test_record_with_string_passed_does_not_verify_a_wrong_backend(seed):
+    """Regression (bug found while writing these tests, fixed since): passed="false" is a truthy string,
+    and a wrong backend with such a hand-edited record counted as verified."""
+    wrong = WrongWrapped()
+    kda.register_backend(wrong)
+    call = inputs()
+    key = case_key(call)
+    path = default_store().path_for(wrong, torch.device("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"records": {key: {
+        "case_class": key, "passed": "false", "worst_ratio": 2.0, "source": "lazy", "quick": True}}}))
+
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call)
+    assert wrong.calls == 0, "a backend whose record says passed='false' ran the call"
+    assert [r.backend for r in routes] == ["torch"]
+
+
+def test_corrupt_file_is_overwritten_by_the_next_put(tmp_path):
+    store = RecordStore(tmp_path)
+    backend = Wrapped()
+    path = store.path_for(backend, "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"{\"records\": {\"a\": ")
+    assert store.load(backend, "cpu") == {}
+    store.put(backend, "cpu", [record("k1")])
+    data = json.loads(path.read_text())
+    assert list(data["records"]) == ["k1"]
+    assert store.get(backend, "cpu", "k1").passed
+    assert not list(path.parent.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------------------------ concurrent writers
+
+
+class StoreOnlyBackend(kda.Backend):
+    name = "concurrent"
+    version = "3"
+
+    def supports(self, spec):  # pragma: no cover - never dispatched
+        return kda.Verdict.yes()
+
+    def forward(self, inputs, spec, out=None):  # pragma: no cover - never dispatched
+        raise NotImplementedError
+
+
+def _writer(root: str, worker: int, barrier) -> None:
+    store = RecordStore(Path(root))
+    backend = StoreOnlyBackend()
+    barrier.wait(timeout=60)
+    for i in range(20):
+        store.put(backend, "cpu", [Record(case_class=f"w{worker}/r{i:02d}", passed=(i + worker) % 2 == 0,
+                                          worst_ratio=worker + i / 100, source="verify", quick=False,
+                                          cases=[{"seed": worker * 1000 + i}])])
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    parent = RecordStore(tmp_path)
+    backend = StoreOnlyBackend()
+    parent.put(backend, "cpu", [Record("parent/r", True, 0.5, "lazy", True)])
+    assert set(parent.load(backend, "cpu")) == {"parent/r"}
+
+    barrier = ctx.Barrier(4)
+    workers = [ctx.Process(target=_writer, args=(str(tmp_path), w, barrier)) for w in range(4)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(timeout=120)
+    assert [p.exitcode for p in workers] == [0, 0, 0, 0]
+
+    folder = tmp_path / "verification"
+    json_files = sorted(folder.glob("*.json"))
+    assert json_files == [parent.path_for(backend, "cpu")]
+    assert not list(folder.glob("*.tmp")), "a temporary file was left behind"
+    data = json.loads(json_files[0].read_text())
+    assert data["fingerprint"]["backend"] == "concurrent"
+    expected = {f"w{w}/r{i:02d}" for w in range(4) for i in range(20)} | {"parent/r"}
+    assert set(data["records"]) == expected
+
+    for store in (parent, RecordStore(tmp_path)):  # the parent's memo must notice the other writers
+        loaded = store.load(backend, "cpu")
+        assert set(loaded) == expected
+        for w in range(4):
+            for i in range(20):
+                rec = loaded[f"w{w}/r{i:02d}"]
+                assert rec.passed == ((i + w) % 2 == 0)
+                assert rec.worst_ratio == pytest.approx(w + i / 100)
+                assert rec.cases == [{"seed": w * 1000 + i}]
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+def test_record_round_trips_through_json_with_infinite_ratio(tmp_path):
+    original = Record(
+        case_class="softplus/l2/sig2/fp16/varlen/gva/h0:vk/c32/d256/train",
+        passed=False,
+        worst_ratio=math.inf,
+        source="lazy",
+        quick=False,
+        cases=[{"seed": 12345, "errors": {"o": 0.5}, "seq_lens": [3, 0, 1]}],
+        reason="RuntimeError: boom",
+        when=1234.5,
+    )
+    text = json.dumps(asdict(original))
+    again = Record.from_json(json.loads(text))
+    assert again == original
+    assert math.isinf(again.worst_ratio) and again.worst_ratio > 0
+
+    backend = Wrapped()
+    RecordStore(tmp_path).put(backend, "cpu", [original, record("other/key", worst_ratio=0.125)])
+    loaded = RecordStore(tmp_path).load(backend, "cpu")
+    assert loaded[original.case_class] == original
+    assert loaded["other/key"].worst_ratio == 0.125 and loaded["other/key"].passed
+
+
+def test_record_from_json_ignores_unknown_fields():
+    data = {"case_class": "k", "passed": True, "worst_ratio": 0.5, "source": "verify", "quick": True,
+            "added_in_a_later_version": 1}
+    data["when"] = 42.0
+    assert Record.from_json(data) == Record("k", True, 0.5, "verify", True, when=42.0)
+
+
+def test_put_merges_with_records_already_on_disk(tmp_path):
+    backend = Wrapped()
+    first, second = RecordStore(tmp_path), RecordStore(tmp_path)
+    first.put(backend, "cpu", [record("a", worst_ratio=0.1)])
+    second.put(backend, "cpu", [record("b", worst_ratio=0.2)])
+    first.put(backend, "cpu", [record("a", passed=False, worst_ratio=7.0)])
+    loaded = RecordStore(tmp_path).load(backend, "cpu")
+    assert set(loaded) == {"a", "b"}
+    assert not loaded["a"].passed and loaded["a"].worst_ratio == 7.0
+    assert loaded["b"].worst_ratio == 0.2

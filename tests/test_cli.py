@@ -93,7 +93,7 @@ def check_payload(payload: dict, backends: list[str], keys: list[str], *, passed
 
 def test_cli_passes_torch_and_writes_json_and_records(tmp_path, capsys):
     out_json = tmp_path / "report.json"
-    code = cli.main(["--backend", "torch", "--quick", "--case", CHEAP, "--case", CHEAP_2, "--json", str(out_json)])
+    code = cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2, "--json", str(out_json)])
     assert code == 0
     out = capsys.readouterr().out
     assert CHEAP in out and CHEAP_2 in out and "2 passed, 0 failed" in out
@@ -125,7 +125,7 @@ def test_cli_passes_torch_and_writes_json_and_records(tmp_path, capsys):
 def test_cli_exit_1_when_a_backend_fails(tmp_path, capsys):
     kda.register_backend(WrongBackend)
     out_json = tmp_path / "report.json"
-    code = cli.main(["--backend", "wrong", "--case", CHEAP, "--quick", "--json", str(out_json)])
+    code = cli.main(["--backend", "wrong", "--case", CHEAP, "--quick", "--device", "cpu", "--json", str(out_json)])
     assert code == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "wrong" in out and "0 passed, 1 failed" in out
@@ -140,7 +140,7 @@ def test_cli_exit_1_when_a_backend_fails(tmp_path, capsys):
     assert record is not None and not record.passed and record.source == "verify"
 
     # torch and wrong together: torch passes, the run still fails.
-    code = cli.main(["--backend", "torch", "--backend", "wrong", "--case", CHEAP, "--quick"])
+    code = cli.main(["--backend", "torch", "--backend", "wrong", "--case", CHEAP, "--quick", "--device", "cpu"])
     assert code == 1
 
 
@@ -154,7 +154,7 @@ class BoomBackend(TorchBackend):
 def test_cli_backend_that_raises_fails_with_null_ratio_in_json(tmp_path, capsys):
     kda.register_backend(BoomBackend)
     out_json = tmp_path / "report.json"
-    assert cli.main(["--backend", "boom", "--case", CHEAP, "--quick", "--json", str(out_json)]) == 1
+    assert cli.main(["--backend", "boom", "--case", CHEAP, "--quick", "--device", "cpu", "--json", str(out_json)]) == 1
     assert "FAIL inf" in capsys.readouterr().out
     result = read_json(out_json)["results"][0]
     assert result["status"] == "fail" and result["worst_ratio"] is None  # inf is written as null
@@ -166,7 +166,7 @@ def test_cli_backend_that_raises_fails_with_null_ratio_in_json(tmp_path, capsys)
 def test_cli_exit_1_for_a_named_unavailable_backend(tmp_path, capsys):
     kda.register_backend(MissingBackend)
     out_json = tmp_path / "report.json"
-    code = cli.main(["--backend", "missing", "--case", CHEAP, "--quick", "--json", str(out_json)])
+    code = cli.main(["--backend", "missing", "--case", CHEAP, "--quick", "--device", "cpu", "--json", str(out_json)])
     assert code == 1
     assert "fancy_kernels" in capsys.readouterr().out
     payload = read_json(out_json)
@@ -179,14 +179,14 @@ def test_cli_exit_1_for_a_named_unavailable_backend(tmp_path, capsys):
 def test_cli_unsupported_class_is_not_a_failure_and_not_recorded(tmp_path, capsys):
     kda.register_backend(PickyBackend)
     out_json = tmp_path / "report.json"
-    assert cli.main(["--backend", "picky", "--case", CHEAP, "--quick", "--json", str(out_json)]) == 0
+    assert cli.main(["--backend", "picky", "--case", CHEAP, "--quick", "--device", "cpu", "--json", str(out_json)]) == 0
     result = read_json(out_json)["results"][0]
     assert result["status"] == "unsupported"
     assert default_store().get(kda.get_backend("picky"), "cpu", CHEAP) is None
 
 
 def test_cli_exit_2_for_unknown_backend(capsys):
-    assert cli.main(["--backend", "no_such_backend", "--case", CHEAP, "--quick"]) == 2
+    assert cli.main(["--backend", "no_such_backend", "--case", CHEAP, "--quick", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "no_such_backend" in err and "torch" in err  # names the registered ones
     assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()
@@ -201,7 +201,7 @@ def test_cli_exit_2_for_unknown_backend(capsys):
     "pregated/qk/beta/fp32/dense/mha/nostate/cXX/d64/fwd",
 ])
 def test_cli_exit_2_for_malformed_case_key(capsys, key):
-    assert cli.main(["--backend", "torch", "--case", CHEAP, "--case", key, "--quick"]) == 2
+    assert cli.main(["--backend", "torch", "--case", CHEAP, "--case", key, "--quick", "--device", "cpu"]) == 2
     assert "not a case-class key" in capsys.readouterr().err
     assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()  # nothing ran
 
@@ -233,7 +233,7 @@ def test_cli_as_subprocess(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KDA_CACHE_DIR": str(cache), "KDA_VERIFY": "lazy",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kda.verify", "--backend", "torch", "--quick", "--case", CHEAP, "--case", CHEAP_2,
+        [sys.executable, "-m", "kda.verify", "--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2,
          "--json", str(out_json)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )

@@ -413,7 +413,7 @@ def test_strict_requires_a_record_from_kda_verify(seed, monkeypatch, capsys):
     with pytest.raises(kda.BackendSelectionError, match="strict"):
         kda.chunk_kda(**call, backend="torch")
 
-    assert cli.main(["--backend", "good", "--case", key, "--quick"]) == 0
+    assert cli.main(["--backend", "good", "--case", key, "--quick", "--device", "cpu"]) == 0
     assert default_store().get(good, "cpu", key).source == "verify"
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call)
@@ -421,7 +421,7 @@ def test_strict_requires_a_record_from_kda_verify(seed, monkeypatch, capsys):
     # torch is still unverified in strict mode
     with pytest.raises(kda.BackendSelectionError, match="strict"):
         kda.chunk_kda(**call, backend="torch")
-    assert cli.main(["--backend", "torch", "--case", key, "--quick"]) == 0
+    assert cli.main(["--backend", "torch", "--case", key, "--quick", "--device", "cpu"]) == 0
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call, backend="torch")
     assert [r.backend for r in routes] == ["torch"]

@@ -178,7 +178,7 @@ def test_entry_point_backend_verifies_with_the_cli(seed, plugin_dir, monkeypatch
     install(plugin_dir, {"plugin": "mod:PluginBackend"}, {"mod": PLUGIN_SOURCE})
     call = inputs()
     key = kda.KDASpec.from_call(**call).case_class.key
-    assert cli.main(["--backend", "plugin", "--case", key, "--quick"]) == 0
+    assert cli.main(["--backend", "plugin", "--case", key, "--quick", "--device", "cpu"]) == 0
     assert "plugin" in capsys.readouterr().out
     backend = kda.get_backend("plugin")
     assert default_store().get(backend, "cpu", key).source == "verify"
@@ -255,9 +255,9 @@ def test_broken_entry_point_alone_leaves_torch_working(seed, plugin_dir):
     assert [r.backend for r in routes] == ["torch", "torch"]
     # The CLI does not verify (or fail on) a backend it cannot load unless it is named ...
     key = kda.KDASpec.from_call(**inputs()).case_class.key
-    assert cli.main(["--backend", "torch", "--case", key, "--quick"]) == 0
+    assert cli.main(["--backend", "torch", "--case", key, "--quick", "--device", "cpu"]) == 0
     # ... and reports it as unavailable (exit 1) when it is.
-    assert cli.main(["--backend", "broken", "--case", key, "--quick"]) == 1
+    assert cli.main(["--backend", "broken", "--case", key, "--quick", "--device", "cpu"]) == 1
 
 
 def test_entry_points_disappear_with_their_distribution(seed, plugin_dir, monkeypatch):

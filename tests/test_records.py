@@ -196,7 +196,7 @@ def test_new_backend_version_is_unverified_end_to_end(seed, monkeypatch):
     key = case_key(call)
     v1 = Wrapped()
     kda.register_backend(v1)
-    assert cli.main(["--backend", "wrapped", "--case", key, "--quick"]) == 0
+    assert cli.main(["--backend", "wrapped", "--case", key, "--quick", "--device", "cpu"]) == 0
 
     monkeypatch.setenv("KDA_VERIFY", "strict")
     with kda.trace_routes() as routes:

@@ -5,7 +5,7 @@
 #
 # 1. records the machine and versions; 2. `python -m kda.verify --all` on CUDA (the torch backend over
 # the whole grid, bf16/fp16/fp32, forward and training, allocator poisoning live); 3. the test suite,
-# whose CUDA-only tests run there. Everything lands under $OUT (copied to benchmarks/results/).
+# whose CUDA-only tests run there; 4. what the torch fallback costs there. Everything lands under $OUT (copied to benchmarks/results/).
 set -uo pipefail
 source .device/setup.sh
 export KDA_CACHE_DIR=/tmp/kda-cache
@@ -25,4 +25,5 @@ PY
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m kda.verify --all --json "$OUT/verify-cuda.json" 2>"$OUT/verify-progress.txt" | tee "$OUT/verify-cuda.txt"
 echo "kda.verify exit status: ${PIPESTATUS[0]}" | tee -a "$OUT/verify-cuda.txt"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/pytest-cuda.txt"
+python3 -m pytest -q -p no:cacheprovider -ra tests 2>&1 | tail -25 | tee "$OUT/pytest-cuda.txt"
+python3 benchmarks/torch_fallback_timing.py --json "$OUT/torch-fallback.json" 2>&1 | tee "$OUT/torch-fallback.txt"

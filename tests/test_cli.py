@@ -93,7 +93,8 @@ def check_payload(payload: dict, backends: list[str], keys: list[str], *, passed
 
 def test_cli_passes_torch_and_writes_json_and_records(tmp_path, capsys):
     out_json = tmp_path / "report.json"
-    code = cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2, "--json", str(out_json)])
+    code = cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2,
+                     "--json", str(out_json)])
     assert code == 0
     out = capsys.readouterr().out
     assert CHEAP in out and CHEAP_2 in out and "2 passed, 0 failed" in out
@@ -230,11 +231,13 @@ def test_list_cases_round_trips(capsys):
 def test_cli_as_subprocess(tmp_path):
     cache = tmp_path / "cache"
     out_json = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KDA_CACHE_DIR": str(cache), "KDA_VERIFY": "lazy",
+    # Keep whatever PYTHONPATH already holds (a machine may carry packages such as pydantic that way).
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": python_path, "KDA_CACHE_DIR": str(cache), "KDA_VERIFY": "lazy",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kda.verify", "--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2,
-         "--json", str(out_json)],
+        [sys.executable, "-m", "kda.verify", "--backend", "torch", "--quick", "--device", "cpu",
+         "--case", CHEAP, "--case", CHEAP_2, "--json", str(out_json)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -35,6 +35,20 @@ def inputs(B: int, T: int, H: int, D: int, training: bool) -> dict:
                 use_beta_sigmoid_in_kernel=True, backend="torch")
 
 
+def forward_step(call: dict):
+    def step():
+        with torch.no_grad():
+            kda.chunk_kda(**call)
+    return step
+
+
+def training_step(call: dict, do: torch.Tensor):
+    def step():
+        o, _ = kda.chunk_kda(**call)
+        o.backward(do)
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -43,16 +57,7 @@ def main() -> None:
     for name, shape in SHAPES.items():
         for mode in ("fwd", "fwd+bwd"):
             call = inputs(*shape, training=mode != "fwd")
-            if mode == "fwd":
-                def step():
-                    with torch.no_grad():
-                        kda.chunk_kda(**call)
-            else:
-                do = torch.randn_like(call["v"])
-
-                def step():
-                    o, _ = kda.chunk_kda(**call)
-                    o.backward(do)
+            step = forward_step(call) if mode == "fwd" else training_step(call, torch.randn_like(call["v"]))
             try:
                 step()  # verification (first use) and warm-up outside the timing
                 torch.cuda.reset_peak_memory_stats()
@@ -65,7 +70,7 @@ def main() -> None:
             peak = torch.cuda.max_memory_allocated() / 2**30
             rows.append({"shape": name, "mode": mode, "backend": "torch", "median_ms": ms, "peak_gib": peak})
             print(f"{name:<20} {mode:<8} torch {ms:9.2f} ms   peak {peak:6.1f} GiB", flush=True)
-            del call
+            del call, step
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:

@@ -6,7 +6,6 @@
 import logging
 
 import torch
-import torch.nn.functional as F
 
 import kda
 

@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from kda import dispatch
 from kda.backends.base import Backend, KDAInputs
 from kda.errors import KDAInputError
 from kda.spec import KDASpec
+
+if TYPE_CHECKING:
+    from kda.report import Explanation
 
 # FLA 0.6 options kda does not implement; passing them with a non-default value is an error, not a no-op.
 _UNSUPPORTED = {
@@ -185,7 +188,7 @@ def chunk_kda(
     return _run(spec, call, backend_request)
 
 
-def explain(*args: Any, **kwargs: Any) -> "Explanation":
+def explain(*args: Any, **kwargs: Any) -> Explanation:
     """What `chunk_kda` would do with these same arguments: every registered backend, whether it was
     chosen, and why or why not. Returns a printable `Explanation` (``print(kda.explain(...))``).
 

@@ -146,7 +146,9 @@ def kda_reference(
     the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`; no argument checks (the
     caller validated through `KDASpec`).
     """
-    cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(compute_dtype)
+
     q, k, v, g, beta = map(cast, (q, k, v, g, beta))
     A_log, dt_bias, initial_state = map(cast, (A_log, dt_bias, initial_state))
     K = q.shape[-1]

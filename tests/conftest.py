@@ -35,3 +35,13 @@ def seed(request) -> int:
 
 def pytest_report_header(config):
     return f"kda {kda.__version__}, torch {torch.__version__}"
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
+    call many times slower; restore the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 import kda
 from kda.backends.torch import TorchBackend
 from kda.verify import relative_error
+from kda.verify.check import is_verifying as in_verification
 
 _EMPTY = inspect.Parameter.empty
 
@@ -29,27 +29,11 @@ FLA_POSITIONAL = [
     ("cu_seqlens_cpu", None), ("cp_context", None), ("use_graph", False), ("max_num_seqs", None),
 ]
 
-_CHECK_PY = os.path.join("kda", "verify", "check.py")
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
-    call many times slower; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 
-def in_verification() -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECK_PY):
-            return True
-        frame = frame.f_back
-    return False
+
+
 
 
 class SpyBackend(TorchBackend):

@@ -29,14 +29,6 @@ JSON_KEYS = {"kda", "device", "quick", "passed", "fingerprints", "unavailable", 
 RESULT_KEYS = {"backend", "case_class", "status", "worst_ratio", "cases"}
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
-    call many times slower; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 

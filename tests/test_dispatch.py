@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,32 +21,16 @@ import kda
 from kda import dispatch, registry
 from kda.backends.torch import TorchBackend
 from kda.verify import cli
+from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import default_store
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
-    call many times slower; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-_CHECK_PY = os.path.join("kda", "verify", "check.py")
 
 
-def in_verification() -> bool:
-    """True when the caller runs under `kda.verify.check` (a verification call, not a real one)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECK_PY):
-            return True
-        frame = frame.f_back
-    return False
 
 
 class SpyBackend(kda.Backend):

@@ -12,7 +12,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,31 +24,16 @@ import kda
 from kda.backends.torch import TorchBackend
 from kda.verify import cli
 from kda.verify import records as records_module
+from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import Record, RecordStore, default_store, fingerprint, fingerprint_id, package_versions
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes every
-    call many times slower; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-_CHECK_PY = os.path.join("kda", "verify", "check.py")
 
 
-def in_verification() -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECK_PY):
-            return True
-        frame = frame.f_back
-    return False
 
 
 class Wrapped(kda.Backend):

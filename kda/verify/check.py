@@ -12,6 +12,7 @@ always says what that backend computed. Around the call:
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,15 @@ FP32_TOLERANCE = 1e-3
 
 GRADIENT_OF = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "dA_log": "A_log",
                "ddt_bias": "dt_bias", "dinitial_state": "initial_state"}
+
+
+_verifying: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_verifying", default=False)
+
+
+def is_verifying() -> bool:
+    """True while a verification case runs: lets a backend (or a test's spy) tell the verifier's calls
+    from real ones."""
+    return _verifying.get()
 
 
 def tolerance(tensor: str, dtype: str) -> float:
@@ -121,7 +131,15 @@ def _poison_allocator(device: torch.device, sizes: list[int]) -> None:
 
 
 def run_case(backend: Backend, case: VerificationCase, device: torch.device | str) -> CaseResult:
-    device = torch.device(device)
+    """Verify `backend` on one case (see the module docstring for what passing means)."""
+    token = _verifying.set(True)
+    try:
+        return _run_case(backend, case, torch.device(device))
+    finally:
+        _verifying.reset(token)
+
+
+def _run_case(backend: Backend, case: VerificationCase, device: torch.device) -> CaseResult:
     started = time.perf_counter()
     cc = case.case_class
     kwargs, upstream = make_inputs(case, device)

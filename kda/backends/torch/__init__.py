@@ -28,7 +28,9 @@ def torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype = tor
     Returns ``o [B, T, HV, V]`` in `compute_dtype` and the final state in the call's layout (or None).
     `compute_dtype=torch.float64` with float64 inputs is what the gradcheck test uses.
     """
-    cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(compute_dtype)
+
     q, k, v, g, beta = map(cast, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
     A_log, dt_bias, h0 = map(cast, (inputs.A_log, inputs.dt_bias, inputs.initial_state))
 

@@ -577,3 +577,19 @@ def test_gradcheck_float64(name, seed):
                                  **{f: v for f, v in flags.items() if f != "chunk_size"})
     assert relative_error(o, ref_o) < 1e-10 and relative_error(state, ref_s) < 1e-10
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_autocast_around_the_call_changes_nothing(seed):
+    """The torch backend computes in fp32 even inside a caller's autocast (and lazy verification too)."""
+    B, T, H, K, V = 1, 40, 2, 16, 16
+    q = torch.randn(B, T, H, K)
+    k = F.normalize(torch.randn(B, T, H, K), dim=-1)
+    v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+    g = F.logsigmoid(torch.randn(B, T, H, K))
+    plain, _ = kda.chunk_kda(q, k, v, g, beta, backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with kda.trace_routes() as routes:
+            under_autocast, _ = kda.chunk_kda(q, k, v, g, beta, backend="torch")
+    assert [r.backend for r in routes] == ["torch"]
+    assert under_autocast.dtype == torch.float32
+    assert torch.equal(plain, under_autocast)

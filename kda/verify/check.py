@@ -132,9 +132,12 @@ def _poison_allocator(device: torch.device, sizes: list[int]) -> None:
 
 def run_case(backend: Backend, case: VerificationCase, device: torch.device | str) -> CaseResult:
     """Verify `backend` on one case (see the module docstring for what passing means)."""
+    device = torch.device(device)
     token = _verifying.set(True)
     try:
-        return _run_case(backend, case, torch.device(device))
+        # The verdict must not depend on the caller's context (a lazy check can run inside their autocast).
+        with torch.autocast(device.type, enabled=False):
+            return _run_case(backend, case, device)
     finally:
         _verifying.reset(token)
 

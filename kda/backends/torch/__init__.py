@@ -26,8 +26,14 @@ def torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype = tor
     """KDA for one validated call, differentiable through torch ops.
 
     Returns ``o [B, T, HV, V]`` in `compute_dtype` and the final state in the call's layout (or None).
-    `compute_dtype=torch.float64` with float64 inputs is what the gradcheck test uses.
+    `compute_dtype=torch.float64` with float64 inputs is what the gradcheck test uses. A caller's autocast
+    is switched off inside: the backend computes in `compute_dtype`, as verified, whatever the context.
     """
+    with torch.autocast(spec.device.type, enabled=False):
+        return _torch_kda(inputs, spec, compute_dtype)
+
+
+def _torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype):
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(compute_dtype)
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Literal
@@ -26,8 +27,14 @@ def verify_mode() -> VerifyMode:
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get("KDA_CACHE_DIR")
+    env = os.environ
+    return _cache_dir(env.get("KDA_CACHE_DIR"), env.get("XDG_CACHE_HOME"), env.get("HOME"))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_dir(explicit: str | None, xdg: str | None, home: str | None) -> Path:
+    # Memoised on the variables it reads: every call looks the records up, and Path work is slow.
     if explicit:
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = xdg or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kda"

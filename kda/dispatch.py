@@ -10,8 +10,9 @@ in this order, stopping at the first no:
    With ``KDA_VERIFY=lazy`` (default) a missing record triggers a quick verification, once; ``strict``
    requires a record made by ``python -m kda.verify``; ``off`` trusts every backend, with a warning.
 
-Usable backends are ranked: an explicit list keeps its order; ``auto`` ranks by static priority
-(higher first). An explicit request that nothing can serve raises `BackendSelectionError` listing every
+Usable backends are ranked: an explicit list keeps its order; ``auto`` ranks by the timings
+`python -m kda.bench --tune` measured on this GPU at the nearest tuned shape (`kda.timings`), and by static
+priority (higher first) where there are none. An explicit request that nothing can serve raises `BackendSelectionError` listing every
 reason; it never falls back to a backend that was not asked for. ``auto`` fails only when not even the
 torch backend can serve the call.
 
@@ -30,7 +31,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kda import config, registry
+from kda import config, registry, timings
 from kda.backends.base import Backend, Verdict
 from kda.errors import BackendSelectionError
 from kda.spec import KDASpec
@@ -93,6 +94,8 @@ class Decision:
     considered: list[Consideration]
     chosen: Backend | None
     verify_mode: str
+    ranking: timings.Ranking | None = None  # the measured timings that ordered an auto call, if any
+    logged: bool = False
 
     def reasons(self) -> dict[str, list[str]]:
         return {c.backend: c.reasons for c in self.considered if not c.usable}
@@ -184,15 +187,15 @@ def decide(spec: KDASpec, request: Request = "auto") -> Decision:
             except KeyError as error:
                 raise BackendSelectionError(str(error.args[0]), {name: ["not registered"]}) from None
     considered = [_consider(b, spec, mode) for b in candidates]
-    chosen = None
-    rank = 0
-    for backend, seen in zip(candidates, considered):
-        if seen.usable:
-            seen.rank = rank
-            rank += 1
-            if chosen is None:
-                chosen = backend
-    return Decision(spec, names, considered, chosen, mode)
+    usable = [(b, seen) for b, seen in zip(candidates, considered) if seen.usable]
+    ranking = None
+    if names is None and len(usable) > 1:  # auto: measured speed first, then priority
+        order, ranking = timings.rank(spec, [(b.name, str(b.version), b.priority) for b, _ in usable])
+        usable.sort(key=lambda pair: order.index(pair[0].name))
+    for rank, (_, seen) in enumerate(usable):
+        seen.rank = rank
+    chosen = usable[0][0] if usable else None
+    return Decision(spec, names, considered, chosen, mode, ranking)
 
 
 _cache: dict[tuple, Decision] = {}
@@ -206,11 +209,8 @@ def _cache_key(spec: KDASpec, request: Request) -> tuple:
 
     names = _requested(request)
     store = default_store()
-    # cu_seqlens_values vary batch to batch but change no backend's answer; leave them out.
-    if spec.cu_seqlens_values is not None or spec.cu_seqlens_values_device is not None:
-        spec = spec.model_copy(update={"cu_seqlens_values": None, "cu_seqlens_values_device": None})
-    routing = spec
-    return (routing, names, registry.generation(), id(store), store.generation, config.verify_mode())
+    return (spec.routing_key, names, registry.generation(), id(store), store.generation, config.verify_mode(),
+            timings.stamp(spec.device) if names is None else None)
 
 
 def select(spec: KDASpec, request: Request = "auto") -> Backend:
@@ -230,10 +230,12 @@ def select(spec: KDASpec, request: Request = "auto") -> Backend:
             f"no backend can serve this call (requested: {what}; {spec.summary()})", decision.reasons()
         )
     chosen = decision.chosen
-    log_key = (spec.case_class.key, chosen.name, str(spec.device))
-    if log_key not in _logged:
-        _logged.add(log_key)
-        logger.info("kda: %s -> backend %r", spec.summary(), chosen.name)
+    if not decision.logged:  # once per decision, and once per (case class, backend, device) in the log
+        decision.logged = True
+        log_key = (spec.case_class.key, chosen.name, str(spec.device))
+        if log_key not in _logged:
+            _logged.add(log_key)
+            logger.info("kda: %s -> backend %r", spec.summary(), chosen.name)
     return chosen
 
 

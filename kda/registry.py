@@ -58,9 +58,12 @@ def _ensure_defaults() -> None:
         if _loaded_defaults:
             return
         _loaded_defaults = True
+        from kda.backends.fla import FLABackend
+        from kda.backends.flashkda import FlashKDABackend
         from kda.backends.torch import TorchBackend
 
-        _add(TorchBackend(), replace=False)
+        for builtin in (TorchBackend(), FLABackend(), FlashKDABackend()):
+            _add(builtin, replace=False)
         for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 loaded = entry.load()

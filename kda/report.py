@@ -16,6 +16,17 @@ class Explanation:
     def chosen(self) -> str | None:
         return None if self.decision.chosen is None else self.decision.chosen.name
 
+    @property
+    def ranking(self) -> str:
+        """How the usable backends were ordered: the timings used, or why priority decided."""
+        if self.decision.requested is not None:
+            return "the order the call asked for"
+        if self.decision.ranking is not None:
+            return self.decision.ranking.describe()
+        if sum(seen.usable for seen in self.decision.considered) <= 1:
+            return "nothing to rank (at most one usable backend)"
+        return "by static priority (no timing table for this GPU near this shape; see `python -m kda.bench --tune`)"
+
     def rows(self) -> list[tuple[str, str, str]]:
         """(backend, outcome, reasons) for each registered backend."""
         rows = []
@@ -39,6 +50,7 @@ class Explanation:
             f"kda.explain: {spec.summary()}",
             f"requested: {what}   verification: KDA_VERIFY={self.decision.verify_mode}",
             f"chosen: {self.chosen or 'none (the call would raise BackendSelectionError)'}",
+            f"ranking: {self.ranking}",
         ]
         width = max((len(r[0]) for r in self.rows()), default=0)
         for name, outcome, detail in self.rows():

@@ -24,6 +24,15 @@ from kda.verify import cli
 from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import default_store
 
+# fla and flashkda are built in, and unavailable on a machine without their packages or a GPU; the
+# registry tests below are about the other backends, so they leave those two out of their lists.
+ADAPTERS = {"fla", "flashkda"}
+
+
+def own_names() -> list[str]:
+    return [b.name for b in kda.registered_backends() if b.name not in ADAPTERS]
+
+
 # ----------------------------------------------------------------------------------------------- helpers
 
 
@@ -389,9 +398,10 @@ def test_strict_requires_a_record_from_kda_verify(seed, monkeypatch, capsys):
     # What the code does: strict rejects every backend without a `kda.verify` record, torch included,
     # so even auto raises.
     assert routes == []
-    assert set(error.value.reasons) == {"good", "torch"}
-    for why in error.value.reasons.values():
-        assert any("KDA_VERIFY=strict" in r and key in r for r in why), why
+    assert set(error.value.reasons) - ADAPTERS == {"good", "torch"}
+    for name, why in error.value.reasons.items():
+        if name not in ADAPTERS:  # those two fail earlier here: not installed
+            assert any("KDA_VERIFY=strict" in r and key in r for r in why), why
     assert good.verify_calls == verify_calls, "strict must never verify lazily"
     with pytest.raises(kda.BackendSelectionError, match="strict"):
         kda.chunk_kda(**call, backend="torch")
@@ -546,7 +556,7 @@ def test_register_backend_as_class_decorator_and_unregister(seed):
         priority = 50
 
     assert isinstance(Decorated, type) and issubclass(Decorated, kda.Backend)  # the class is returned
-    assert [b.name for b in kda.registered_backends()][:2] == ["decorated", "torch"]  # by priority
+    assert own_names()[:2] == ["decorated", "torch"]  # by priority
     assert type(kda.get_backend("decorated")) is Decorated
     with kda.trace_routes() as routes:
         kda.chunk_kda(**inputs())
@@ -568,6 +578,6 @@ def test_register_backend_as_class_decorator_and_unregister(seed):
 def test_registered_backends_order_and_registry_reset():
     make_backend("low", priority=-3)
     make_backend("high", priority=9)
-    assert [b.name for b in kda.registered_backends()] == ["high", "torch", "low"]
+    assert own_names() == ["high", "torch", "low"]
     registry._reset_for_tests()
-    assert [b.name for b in kda.registered_backends()] == ["torch"]
+    assert own_names() == ["torch"]

@@ -147,6 +147,8 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
     cc = case.case_class
     kwargs, upstream = make_inputs(case, device)
     spec = KDASpec.from_call(**kwargs, requires_grad=cc.training)
+    if cc.training and not backend.trains:  # the dispatcher never gives it such a call: nothing to verify
+        return CaseResult(case, passed=False, unsupported=True, reason="forward-only backend; the class needs gradients")
     verdict = backend.supports(spec)
     if not verdict:
         return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))

@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,16 +42,33 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--device", default=None, help="device to verify on (default: cuda if present, else cpu)")
     parser.add_argument("--case", action="append", default=[], metavar="KEY", help="only this case class (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="spread the case classes over N processes, one GPU each, round robin (slow-compiling backends)")
+    parser.add_argument("--with-bench-classes", action="store_true",
+                        help="also verify the case classes of `python -m kda.bench`'s shapes and modes")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="with --jobs: where the workers' logs and partial results go (default: a temp dir)")
     parser.add_argument("--list-cases", action="store_true", help="print the grid's case-class keys and exit")
     return parser
 
 
-def _cell(result: ClassResult) -> str:
-    if result.unsupported:
+def _cell(entry: dict[str, Any]) -> str:
+    if entry["status"] == "unsupported":
         return "[dim]-[/dim]"
-    ratio = result.worst_ratio
-    shown = "inf" if math.isinf(ratio) else f"{ratio:.2g}"
-    return f"[green]pass {shown}[/green]" if result.passed else f"[bold red]FAIL {shown}[/bold red]"
+    ratio = entry["worst_ratio"]
+    shown = "inf" if ratio is None else f"{ratio:.2g}"
+    return f"[green]pass {shown}[/green]" if entry["status"] == "pass" else f"[bold red]FAIL {shown}[/bold red]"
+
+
+def _entry(name: str, r: ClassResult) -> dict[str, Any]:
+    return {
+        "backend": name,
+        "case_class": r.case_class.key,
+        "status": "unsupported" if r.unsupported else ("pass" if r.passed else "fail"),
+        "worst_ratio": None if math.isinf(r.worst_ratio) else r.worst_ratio,
+        "reason": r.reason,
+        "cases": [c.as_json() for c in r.cases],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         err.print(f"[red]{error}[/red]")
         return 2
+    if args.with_bench_classes:
+        from kda.bench.shapes import DEFAULT_SHAPES, MODES, case_class_keys
+
+        have = {cc.key for cc in classes}
+        classes += [CaseClass.from_key(k) for k in case_class_keys(DEFAULT_SHAPES, list(MODES)) if k not in have]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     known = {b.name: b for b in registry.registered_backends()}
@@ -75,39 +101,49 @@ def main(argv: list[str] | None = None) -> int:
     unavailable = {b.name: registry.availability(b) for b in chosen if not registry.availability(b)}
     runnable = [b for b in chosen if b.name not in unavailable]
     store = default_store()
-    results: dict[str, list[ClassResult]] = {b.name: [] for b in runnable}
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as progress:
         task = progress.add_task("verifying", total=len(runnable) * len(classes))
-        for backend in runnable:
-            for cc in classes:
-                progress.update(task, description=f"{backend.name} {cc.key}")
-                result = verify_class(backend, cc, device, quick=args.quick)
-                results[backend.name].append(result)
-                if not result.unsupported:
-                    store.put(backend, device, [result.to_record(source="verify", quick=args.quick)])
-                progress.advance(task)
+        if args.jobs > 1 and runnable:
+            entries = _run_jobs(args, runnable, classes, device, progress, task)
+        else:
+            entries = []
+            for backend in runnable:
+                for cc in classes:
+                    progress.update(task, description=f"{backend.name} {cc.key}")
+                    result = verify_class(backend, cc, device, quick=args.quick)
+                    entries.append(_entry(backend.name, result))
+                    if not err.is_terminal:  # no live bar in a log: one line per class instead
+                        err.print(f"{len(entries)}/{len(runnable) * len(classes)} {backend.name} {cc.key}: "
+                                  f"{entries[-1]['status']} {entries[-1]['worst_ratio']} "
+                                  f"{(entries[-1]['reason'] or '')[:200]}", highlight=False)
+                    if not result.unsupported:
+                        store.put(backend, device, [result.to_record(source="verify", quick=args.quick)])
+                    progress.advance(task)
     elapsed = time.perf_counter() - started
 
+    by_key = {(e["backend"], e["case_class"]): e for e in entries}
     table = Table(title=f"kda {__version__} verification on {device} ({'quick' if args.quick else 'full'}; "
                         "cell = worst error / tolerance)")
     table.add_column("case class")
     for backend in runnable:
         table.add_column(f"{backend.name} v{backend.version}")
-    for i, cc in enumerate(classes):
-        table.add_row(cc.key, *[_cell(results[b.name][i]) for b in runnable])
+    missing = {"status": "fail", "worst_ratio": None, "reason": "no result (worker failed)", "cases": []}
+    for cc in classes:
+        table.add_row(cc.key, *[_cell(by_key.get((b.name, cc.key), missing)) for b in runnable])
     out.print(table)
     for name, verdict in unavailable.items():
         out.print(f"[yellow]{name}: unavailable[/yellow] - {'; '.join(verdict.reasons)}")
 
-    failures = [(name, r) for name, rs in results.items() for r in rs if not r.unsupported and not r.passed]
-    for name, result in failures:
-        out.print(f"[red]FAIL[/red] {name} {result.case_class.key}: {result.reason}")
-        for case in result.cases:
-            if not case.passed and not case.unsupported:
-                out.print(f"     case {case.case.describe()}")
-    checked = sum(1 for rs in results.values() for r in rs if not r.unsupported)
+    failures = [(b.name, cc.key, by_key.get((b.name, cc.key), missing)) for b in runnable for cc in classes
+                if by_key.get((b.name, cc.key), missing)["status"] == "fail"]
+    for name, key, entry in failures:
+        out.print(f"[red]FAIL[/red] {name} {key}: {entry['reason']}")
+        for case in entry["cases"]:
+            if not case.get("passed") and not case.get("unsupported"):
+                out.print(f"     case {case}")
+    checked = sum(1 for e in entries if e["status"] != "unsupported")
     named_unavailable = [n for n in unavailable if n in args.backend]
     ok = not failures and not named_unavailable
     out.print(f"{checked - len(failures)} passed, {len(failures)} failed "
@@ -122,24 +158,51 @@ def main(argv: list[str] | None = None) -> int:
             "device": str(device),
             "quick": args.quick,
             "passed": ok,
+            "seconds": round(elapsed, 1),
             "fingerprints": {b.name: {**fingerprint(b, device), "id": fingerprint_id(fingerprint(b, device))}
                              for b in runnable},
             "unavailable": {name: list(v.reasons) for name, v in unavailable.items()},
-            "results": [
-                {
-                    "backend": name,
-                    "case_class": r.case_class.key,
-                    "status": "unsupported" if r.unsupported else ("pass" if r.passed else "fail"),
-                    "worst_ratio": None if math.isinf(r.worst_ratio) else r.worst_ratio,
-                    "reason": r.reason,
-                    "cases": [c.as_json() for c in r.cases],
-                }
-                for name, rs in results.items() for r in rs
-            ],
+            "results": entries,
         }
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=1, default=lambda x: None if isinstance(x, float) else str(x))
     return 0 if ok else 1
+
+
+def _run_jobs(args, runnable, classes, device, progress, task) -> list[dict[str, Any]]:
+    """Spread the case classes over `args.jobs` child processes (each verifies every chosen backend on its
+    share, on one GPU, round robin), and collect their results. Records go to the shared store, whose
+    writes are locked and atomic."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    scratch = args.work_dir or Path(tempfile.mkdtemp(prefix="kda-verify-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    children = []
+    for i in range(args.jobs):
+        share = classes[i::args.jobs]
+        if not share:
+            continue
+        command = [sys.executable, "-m", "kda.verify", "--json", str(scratch / f"part-{i}.json"),
+                   "--device", "cuda" if gpus else str(device)]
+        command += [f"--backend={b.name}" for b in runnable] + [f"--case={cc.key}" for cc in share]
+        command += ["--quick"] if args.quick else []
+        env = os.environ.copy()
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        log = open(scratch / f"part-{i}.log", "w")
+        children.append((i, len(share), subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    entries: list[dict[str, Any]] = []
+    for i, count, child, log in children:
+        child.wait()
+        log.close()
+        part = scratch / f"part-{i}.json"
+        if part.exists():
+            entries += json.loads(part.read_text())["results"]
+        else:
+            tail = (scratch / f"part-{i}.log").read_text().strip().splitlines()[-3:]
+            progress.console.print(f"[red]verify worker {i} exited {child.returncode} without results[/red]: "
+                                   + " | ".join(tail))
+        progress.update(task, advance=count * len(runnable), description=f"worker {i} done")
+    return entries
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,163 @@
+"""The `fla` backend: flash-linear-attention's `chunk_kda` on its Triton path, forward and backward.
+
+This is the field's standard implementation, offered as a verified option and used as the benchmark
+baseline. FLA 0.6 wraps `fla.ops.kda.chunk_kda` in its own backend dispatcher, which sends inference calls
+to FlashKDA when `flash_kda` is installed. Here we want FLA's own kernels and nothing else (FlashKDA is
+the separate `flashkda` backend), so the adapter calls the undecorated function under that wrapper: the
+one that validates and runs FLA's Triton `ChunkKDAFunction`. If FLA's layout ever changes so that the
+undecorated function cannot be found, the backend reports itself unavailable rather than guess.
+
+FLA's inner stages can also be dispatched (FLA 0.6 routes some backward pieces to TileLang when
+`tilelang` is installed and ``FLA_TILELANG`` is not ``0``). Whether that route is live is part of this
+backend's verification fingerprint, so records made on one path are not trusted for the other.
+
+Verification: FLA autotunes each new set of compile-time shapes for minutes; while the verifier runs
+FLA, its autotuners are pinned to one configuration (`pinning`), which changes the tiling, not the math.
+
+Training: the forward runs FLA under autograd on detached leaves that share the caller's storage, and
+keeps FLA's graph; the backward asks that graph for every gradient (FLA's own backward kernels).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
+from kda.backends.fla.pinning import pinned_autotune
+from kda.spec import KDASpec
+
+_FLA_MODULE = "fla.ops.kda.chunk"
+
+
+def fla_triton_chunk_kda() -> Any:
+    """FLA's `chunk_kda` with FLA's backend dispatch peeled off: its Triton path.
+
+    `fla.ops.kda.chunk.chunk_kda` is ``compiler.disable(dispatch(chunk_kda))``; each wrapper keeps the one
+    below as ``__wrapped__``. Raises LookupError when the innermost function is not FLA's own.
+    """
+    module = importlib.import_module(_FLA_MODULE)
+    function = inspect.unwrap(module.chunk_kda)
+    code = getattr(function, "__code__", None)
+    if code is None or function.__module__ != _FLA_MODULE or code.co_name != "chunk_kda":
+        raise LookupError(f"{_FLA_MODULE}.chunk_kda does not unwrap to FLA's own chunk_kda (found {function!r})")
+    if "dispatch" in code.co_names or "get_active" in code.co_names:
+        raise LookupError(f"{_FLA_MODULE}.chunk_kda unwraps to a dispatcher, not to the Triton path")
+    return function
+
+
+def _tilelang_route_live() -> bool:
+    """Whether FLA would hand some inner KDA stages to TileLang in this process."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1" or os.environ.get("FLA_TILELANG", "1") == "0":
+        return False
+    return importlib.util.find_spec("tilelang") is not None
+
+
+class FLABackend(Backend):
+    """flash-linear-attention's Triton `chunk_kda` (FLA >= 0.6), forward and backward."""
+
+    name = "fla"
+    version = "1"
+    priority = 10
+    trains = True
+    writes_into_outputs = False
+    description = "flash-linear-attention chunk_kda, Triton path (FLA's FlashKDA dispatch bypassed); trains"
+
+    def available(self) -> Verdict:
+        try:
+            fla_triton_chunk_kda()
+        except Exception as error:
+            return Verdict.no(f"fla.ops.kda does not load ({type(error).__name__}: {error}); "
+                              "install the `fla` extra (PyPI fla-core)")
+        if not torch.cuda.is_available():
+            return Verdict.no("FLA's Triton kernels need a GPU; none is visible")
+        return Verdict.yes()
+
+    def fingerprint_extras(self) -> dict[str, str]:
+        return {"fla_tilelang_route": "live" if _tilelang_route_live() else "off"}
+
+    def supports(self, spec: KDASpec) -> Verdict:
+        if spec.device.type != "cuda":
+            return Verdict.no(f"runs on CUDA only; the call is on {spec.device}")
+        return Verdict.yes("FLA implements the whole contract on CUDA")
+
+    def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
+        return _while_verifying_pinned(self._forward, inputs, spec)
+
+    def backward(
+        self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None
+    ) -> KDAGradients:
+        return _while_verifying_pinned(self._backward, inputs, spec, saved, do, dfinal_state)
+
+    def _forward(self, inputs: KDAInputs, spec: KDASpec) -> ForwardResult:
+        run = fla_triton_chunk_kda()
+        tensors = {name: t for name, t in inputs.differentiable().items() if t is not None}
+        leaves: dict[str, torch.Tensor] = {}
+        if spec.requires_grad:
+            leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
+            tensors = dict(leaves)
+        cu_seqlens, cu_seqlens_cpu = inputs.cu_seqlens, inputs.cu_seqlens_cpu
+        if cu_seqlens is not None:  # FLA's index helpers are written for int64 (LongTensor)
+            cu_seqlens = cu_seqlens.long()
+            cu_seqlens_cpu = None if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
+        with torch.set_grad_enabled(spec.requires_grad):
+            o, final_state = run(
+                tensors["q"], tensors["k"], tensors["v"], tensors["g"], tensors["beta"],
+                scale=spec.scale,
+                initial_state=tensors.get("initial_state"),
+                output_final_state=spec.output_final_state,
+                use_qk_l2norm_in_kernel=spec.use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=spec.use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=spec.use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=spec.allow_neg_eigval,
+                safe_gate=spec.safe_gate,
+                lower_bound=spec.lower_bound,
+                disable_recompute=spec.disable_recompute,
+                state_v_first=spec.state_v_first,
+                cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seqlens_cpu,
+                A_log=tensors.get("A_log"),
+                dt_bias=tensors.get("dt_bias"),
+                chunk_size=spec.chunk_size,
+            )
+        saved = (o, final_state, leaves) if spec.requires_grad else None
+        return ForwardResult(o.detach(), None if final_state is None else final_state.detach(), saved)
+
+    def _backward(
+        self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None
+    ) -> KDAGradients:
+        o, final_state, leaves = saved
+        outputs, upstream = [o], [do.contiguous()]
+        if final_state is not None and dfinal_state is not None:
+            outputs.append(final_state)
+            upstream.append(dfinal_state.contiguous())
+        from kda.verify.check import is_verifying
+
+        # Under the verifier the graph is kept, so that an unpinned retry (see below) can run it again.
+        found = torch.autograd.grad(outputs, list(leaves.values()), upstream, allow_unused=True,
+                                    retain_graph=is_verifying())
+        grads = {name: (torch.zeros_like(leaf) if grad is None else grad)
+                 for (name, leaf), grad in zip(leaves.items(), found)}
+        return KDAGradients(
+            dq=grads.get("q"), dk=grads.get("k"), dv=grads.get("v"), dg=grads.get("g"), dbeta=grads.get("beta"),
+            dA_log=grads.get("A_log"), ddt_bias=grads.get("dt_bias"), dinitial_state=grads.get("initial_state"),
+        )
+
+
+def _while_verifying_pinned(step: Any, *args: Any) -> Any:
+    """Run `step`; under the verifier, with FLA's autotuners pinned (retrying unpinned if that fails)."""
+    from kda.verify.check import is_verifying
+
+    if not is_verifying():
+        return step(*args)
+    fla_triton_chunk_kda()  # import FLA's kernel modules first, so that pinning finds their autotuners
+    try:
+        with pinned_autotune():
+            return step(*args)
+    except Exception:  # the pinned configuration may not fit this case: let FLA tune as usual
+        return step(*args)

@@ -1,0 +1,5 @@
+import sys
+
+from kda.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,258 @@
+"""The bench loop: for each shape and mode, every selected backend and baseline, timed in this process.
+
+Rows are of three kinds:
+
+- ``baseline:fla`` and ``baseline:flashkda``: the libraries called directly, exactly as their users
+  call them (FLA's Triton `chunk_kda` with its FlashKDA dispatch bypassed; `flash_kda.fwd` in its own
+  state layout), with no kda code in the timed region. ``pct_fla`` of every row is measured against
+  ``baseline:fla`` of the same shape and mode, in the same process.
+- kda backends (``torch``, ``fla``, ``flashkda``, ...): `kda.chunk_kda(..., backend=name)`, so the spec
+  check and dispatch are part of the time, as they are for a user. A backend that is not verified for
+  the call, or does not support it, gets a row with the reason and no time.
+- ``auto``: `kda.chunk_kda(..., backend="auto")`, with the backend it chose.
+
+With ``tune``, the kda backends' medians at each shape are recorded in the timing table (`kda.timings`)
+before ``auto`` is timed, so the ``auto`` row shows the choice the table makes.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import kda
+from kda import timings
+from kda.bench import timing
+from kda.bench.shapes import MODES, BenchInputs, BenchShape, Mode, make_inputs
+from kda.spec import KDASpec
+
+BASELINES = ("baseline:fla", "baseline:flashkda")
+
+
+@dataclass
+class Row:
+    shape: str
+    mode: str
+    backend: str
+    kind: str  # "baseline", "kda" or "auto"
+    status: str = "ok"  # "ok", "skipped" or "error"
+    reason: str | None = None
+    median_ms: float | None = None
+    fla_median_ms: float | None = None
+    pct_fla: float | None = None  # 100 * fla_median_ms / median_ms
+    peak_bytes: int | None = None
+    cold_start_s: float | None = None
+    cold_process_s: float | None = None  # the fresh process's whole life: interpreter, imports, first call
+    cold_new_cache_files: int | None = None
+    chose: str | None = None  # auto: the backend it ran
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BenchConfig:
+    shapes: list[str]
+    modes: list[str]
+    backends: list[str]  # kda backend names, "auto", and baselines
+    device: torch.device
+    cold_start: str = "first"  # "none", "first" (the first shape of the whole run, each mode) or "all"
+    first_shape: str | None = None  # the whole run's first shape, when this process runs a share of it
+    tune: bool = False
+    warmup_ms: float = 50
+    rep_ms: float = 300
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _with_backward(forward: Callable[[], Any], inputs: BenchInputs) -> Callable[[], Any]:
+    leaves = list(inputs.leaves.values())
+
+    def step() -> Any:
+        o = forward()[0]
+        return torch.autograd.grad(o, leaves, inputs.do)
+
+    return step
+
+
+def call_for(name: str, inputs: BenchInputs, mode: Mode) -> tuple[Callable[[], Any] | None, str | None]:
+    """The callable that one row times (forward, plus backward in training modes), or why there is none."""
+    kwargs = inputs.kwargs
+    if name == "baseline:fla":
+        try:
+            from kda.backends.fla import fla_triton_chunk_kda
+
+            run = fla_triton_chunk_kda()
+        except Exception as error:
+            return None, f"FLA not usable here ({type(error).__name__}: {error})"
+        if kwargs["q"].device.type != "cuda":
+            return None, "FLA runs on CUDA only"
+        forward = lambda: run(**kwargs)  # noqa: E731
+    elif name == "baseline:flashkda":
+        made = _flashkda_direct(kwargs, mode)
+        if isinstance(made, str):
+            return None, made
+        forward = made
+    else:
+        forward = lambda: kda.chunk_kda(**kwargs, backend=name)  # noqa: E731
+    return (_with_backward(forward, inputs) if mode.training else forward), None
+
+
+def _flashkda_direct(kwargs: dict[str, Any], mode: Mode) -> Callable[[], Any] | str:
+    """`flash_kda.fwd` called the way its own users call it (states in its [N, H, V, K] layout)."""
+    try:
+        import flash_kda
+    except Exception as error:
+        return f"flash_kda does not import ({type(error).__name__}: {error})"
+    q, v = kwargs["q"], kwargs["v"]
+    if mode.training or mode.gate != "safe":
+        return "FlashKDA is an inference forward with the safe gate only"
+    if q.device.type != "cuda" or q.shape[-1] != 128:
+        return "FlashKDA needs CUDA and K = V = 128"
+    H, K = q.shape[2], q.shape[3]
+    dt_bias = kwargs["dt_bias"].view(H, K)
+    h0 = kwargs.get("initial_state")
+    h0_vk = None if h0 is None else h0.transpose(-1, -2).contiguous()  # its layout; converted once, untimed
+    cu = kwargs.get("cu_seqlens")
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    scale = K ** -0.5
+
+    def forward() -> Any:
+        out = torch.empty_like(v)
+        final = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
+        flash_kda.fwd(q, kwargs["k"], v, kwargs["g"], kwargs["beta"], scale, out, A_log=kwargs["A_log"],
+                      dt_bias=dt_bias, lower_bound=kwargs["lower_bound"], initial_state=h0_vk, final_state=final,
+                      cu_seqlens=cu)
+        return out, final
+
+    return forward
+
+
+def _serving_backend(name: str, kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Which backend kda would run for this request (``name`` or auto), or why none."""
+    explanation = kda.explain(**kwargs, backend=name)
+    if explanation.chosen is not None:
+        return explanation.chosen, None
+    reasons = explanation.decision.reasons()
+    why = "; ".join(f"{b}: {', '.join(r)}" for b, r in reasons.items()) or "no backend can serve the call"
+    return None, why
+
+
+def run(
+    config: BenchConfig,
+    on_row: Callable[[Row], None] = lambda row: None,
+    *,
+    timer: Callable[..., float] = timing.median_ms,
+    memory: Callable[..., int | None] = timing.peak_bytes,
+    cold: Callable[..., dict[str, Any]] = timing.cold_start,
+) -> list[Row]:
+    """Measure every (shape, mode, backend) of `config`; `on_row` sees each row as it is finished."""
+    rows: list[Row] = []
+    first_shape = config.first_shape or (config.shapes[0] if config.shapes else None)
+    for shape_name in config.shapes:
+        shape = BenchShape.parse(shape_name)
+        for mode_name in config.modes:
+            mode = MODES[mode_name]
+            group = _measure(config, shape, mode, timer, memory, cold,
+                             measure_cold=config.cold_start == "all"
+                             or (config.cold_start == "first" and shape_name == first_shape),
+                             on_row=on_row)
+            rows.extend(group)
+    return rows
+
+
+def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on_row) -> list[Row]:
+    device = config.device
+    inputs = make_inputs(shape, mode, device, seed=config.seed)
+    kwargs = inputs.kwargs
+    ordered = [b for b in config.backends if b in BASELINES] + \
+              [b for b in config.backends if b not in BASELINES and b != "auto"] + \
+              [b for b in config.backends if b == "auto"]
+    rows: list[Row] = []
+    calls: dict[str, Callable[[], Any]] = {}
+    for name in ordered:
+        kind = "baseline" if name in BASELINES else "auto" if name == "auto" else "kda"
+        row = Row(shape.name, mode.name, name, kind)
+        rows.append(row)
+        if kind != "baseline":
+            served, why = _serving_backend(name, kwargs)
+            if served is None:
+                row.status, row.reason = "skipped", why
+                continue
+            row.chose = served if kind == "auto" else None
+        call, why = call_for(name, inputs, mode)
+        if call is None:
+            row.status, row.reason = "skipped", why
+            continue
+        calls[name] = call
+
+    if measure_cold:  # before anything runs here, so that the first process to touch a shape is cold
+        for row in rows:
+            if row.backend in calls:
+                found = cold(row.backend, shape.name, mode.name, device)
+                if "error" in found:
+                    row.reason = f"cold start failed: {found['error']}"
+                else:
+                    row.cold_start_s = found["first_call_s"]
+                    row.cold_process_s = found.get("process_s")
+                    row.cold_new_cache_files = found.get("new_cache_files")
+
+    spec = KDASpec.from_call(**kwargs, requires_grad=mode.training)
+    for row in rows:
+        call = calls.get(row.backend)
+        if call is None:
+            continue
+        if row.kind == "auto":
+            if config.tune:
+                _record_timings(config, shape, mode, spec, rows)
+            served, _ = _serving_backend("auto", kwargs)  # the table may have changed the choice
+            row.chose = served
+        try:
+            row.median_ms = timer(call, device, warmup_ms=config.warmup_ms, rep_ms=config.rep_ms)
+            row.peak_bytes = memory(call, device)
+        except Exception as error:  # one failing backend must not end the run
+            row.status, row.reason = "error", f"{type(error).__name__}: {str(error)[:300]}"
+            row.median_ms = row.peak_bytes = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if config.tune and not any(r.kind == "auto" for r in rows):
+        _record_timings(config, shape, mode, spec, rows)
+
+    fla = next((r.median_ms for r in rows if r.backend == "baseline:fla" and r.status == "ok"), None)
+    for row in rows:
+        row.fla_median_ms = fla
+        row.pct_fla = pct_fla(fla, row.median_ms)
+        on_row(row)
+    del inputs, kwargs, calls
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pct_fla(fla_ms: float | None, backend_ms: float | None) -> float | None:
+    """``100 * fla_ms / backend_ms``: above 100 means faster than FLA."""
+    if fla_ms is None or backend_ms is None or not backend_ms > 0 or not math.isfinite(backend_ms):
+        return None
+    return 100.0 * fla_ms / backend_ms
+
+
+def _record_timings(config: BenchConfig, shape: BenchShape, mode: Mode, spec: KDASpec, rows: list[Row]) -> None:
+    measured = {}
+    for row in rows:
+        if row.kind == "kda" and row.status == "ok" and row.median_ms is not None:
+            backend = kda.get_backend(row.backend)
+            measured[row.backend] = timings.Measurement(row.median_ms, str(backend.version))
+    if measured:
+        timings.record(config.device, f"{shape.name} / {mode.name}", timings.ShapePoint.of(spec), measured)

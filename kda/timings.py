@@ -1,0 +1,271 @@
+"""Measured timings that rank verified backends for `auto` (DESIGN section 3).
+
+`python -m kda.bench --tune` times every verified backend at each bench shape and stores the medians
+here, per GPU, beside the verification records (``<KDA_CACHE_DIR>/timings/<gpu>.json``). The dispatcher
+then orders the usable backends of an ``auto`` call by the timings measured at the *nearest* tuned shape:
+
+- a shape is a point: whether gradients are needed, the gate mode, the dtype, K and V, varlen or not,
+  and three sizes: tokens (B*T), value heads (HV) and the mean sequence length (T, or T/N with varlen);
+- calls and points must agree on gradients, dtype and the head-dimension buckets of K and V; the
+  distance is then ``|log2 tokens ratio| + |log2 heads ratio| + |log2 length ratio|`` plus 0.5 each when
+  the gate mode or varlen differ; the nearest point within distance 3 decides, else no timing does;
+- at that point, measured backends come first, fastest first; any usable backend without a measurement
+  there follows, by static priority. Without a table, or far from every point, static priority decides.
+
+A table records the kda, torch, triton, fla and flash_kda versions and the GPU it was measured with; one
+made under other versions is ignored (re-run ``--tune``). A timing for a backend whose version has since
+changed is ignored too. An unreadable or malformed table counts as no table: it never breaks a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kda import config
+from kda._version import __version__
+from kda.spec import KDASpec, head_dim_bucket
+
+MAX_DISTANCE = 3.0
+_SOFT_PENALTY = 0.5
+# Versions that change what a timing means; a table made under other ones is stale.
+_TIMING_PACKAGES = ("torch", "triton", "fla", "flash_kda")
+
+
+@dataclass(frozen=True)
+class ShapePoint:
+    """Where a timing was measured (or where a call sits), in the terms the ranking compares."""
+
+    training: bool
+    gate: str
+    dtype: str
+    K: int
+    V: int
+    varlen: bool
+    tokens: int
+    heads: int
+    mean_len: float
+
+    @classmethod
+    def of(cls, spec: KDASpec) -> ShapePoint:
+        tokens = spec.B * spec.T
+        return cls(
+            training=spec.requires_grad, gate=spec.gate_mode.value, dtype=spec.q.dtype, K=spec.K, V=spec.V,
+            varlen=spec.is_varlen, tokens=tokens, heads=spec.HV, mean_len=tokens / max(1, spec.num_seqs),
+        )
+
+    def distance(self, other: ShapePoint) -> float:
+        """How far apart two shapes are for ranking purposes; inf when they cannot be compared."""
+        if (self.training, self.dtype) != (other.training, other.dtype):
+            return math.inf
+        if (head_dim_bucket(self.K), head_dim_bucket(self.V)) != (head_dim_bucket(other.K), head_dim_bucket(other.V)):
+            return math.inf
+
+        def log_ratio(a: float, b: float) -> float:
+            return abs(math.log2(max(a, 1.0) / max(b, 1.0)))
+
+        d = (log_ratio(self.tokens, other.tokens) + log_ratio(self.heads, other.heads)
+             + log_ratio(self.mean_len, other.mean_len))
+        d += _SOFT_PENALTY * ((self.gate != other.gate) + (self.varlen != other.varlen))
+        return d
+
+
+@dataclass
+class Measurement:
+    ms: float
+    backend_version: str
+
+
+@dataclass
+class TimingEntry:
+    """The medians measured at one bench shape."""
+
+    shape: str  # the bench's name for it, e.g. "B1_T8192_H96_D128 / fwd"
+    point: ShapePoint
+    timings: dict[str, Measurement] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"shape": self.shape, "point": asdict(self.point),
+                "timings": {name: asdict(m) for name, m in self.timings.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TimingEntry:
+        point = ShapePoint(**data["point"])
+        timings = {}
+        for name, m in data["timings"].items():
+            measurement = Measurement(float(m["ms"]), str(m["backend_version"]))
+            if not (isinstance(name, str) and math.isfinite(measurement.ms) and measurement.ms > 0):
+                raise ValueError(f"bad timing for {name!r}: {m!r}")
+            timings[name] = measurement
+        if not isinstance(data["shape"], str):
+            raise ValueError("bad shape name")
+        return cls(data["shape"], point, timings)
+
+
+@dataclass
+class Ranking:
+    """What the table said for one call: the entry used, its distance, and the timings (ms) in it."""
+
+    shape: str
+    distance: float
+    timings: dict[str, float]
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{name} {ms:.3g} ms" for name, ms in sorted(self.timings.items(), key=lambda kv: kv[1]))
+        near = "measured at this shape" if self.distance == 0 else f"nearest tuned shape, distance {self.distance:.2f}"
+        return f"ranked by timings at {self.shape} ({near}): {shown}"
+
+
+def device_key(device: torch.device) -> dict[str, str | None]:
+    from kda.verify.records import device_identity
+
+    return device_identity(device)
+
+
+def table_fingerprint(device: torch.device) -> dict[str, Any]:
+    from kda.verify.records import package_versions
+
+    versions = package_versions()
+    return {"kda": __version__, **device_key(device), "packages": {p: versions.get(p) for p in _TIMING_PACKAGES}}
+
+
+class TimingTable:
+    """The tuned timings for one device, read from and written to one JSON file."""
+
+    def __init__(self, path: Path, fingerprint: dict[str, Any], entries: list[TimingEntry] | None = None):
+        self.path = path
+        self.fingerprint = fingerprint
+        self.entries = entries or []
+
+    def nearest(self, point: ShapePoint) -> tuple[TimingEntry, float] | None:
+        best: tuple[TimingEntry, float] | None = None
+        for entry in self.entries:
+            d = point.distance(entry.point)
+            if d <= MAX_DISTANCE and (best is None or d < best[1]):
+                best = (entry, d)
+        return best
+
+    def record(self, shape: str, point: ShapePoint, timings: dict[str, Measurement]) -> None:
+        """Set the timings measured at `point` (replacing any earlier measurement of the same backends)."""
+        for entry in self.entries:
+            if entry.point == point:
+                entry.timings.update(timings)
+                entry.shape = shape
+                return
+        self.entries.append(TimingEntry(shape, point, dict(timings)))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "entries": [e.as_json() for e in self.entries]}
+
+
+def _path_for(device: torch.device) -> Path:
+    return _path_in(config.cache_dir(), str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _path_in(root: Path, device: str) -> Path:
+    # Memoised: asking CUDA for the device name costs ~100 us, and `auto` looks the path up on every call.
+    ident = device_key(torch.device(device))
+    name = "".join(c if c.isalnum() else "_" for c in f"{ident['device']}_{ident['capability']}")
+    return root / "timings" / f"{name}.json"
+
+
+def _parse(path: Path, expected: dict[str, Any]) -> TimingTable | None:
+    try:
+        data = json.loads(path.read_text())
+        if data["fingerprint"] != expected:
+            return None  # made with other versions or on another GPU: stale
+        entries = [TimingEntry.from_json(e) for e in data["entries"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return TimingTable(path, expected, entries)
+
+
+_memo: dict[Path, tuple[int, TimingTable | None]] = {}
+_memo_lock = threading.Lock()
+
+
+def load(device: torch.device | str) -> TimingTable | None:
+    """The current, valid table for `device`, or None (no file, stale, or unreadable). Re-read only
+    when the file changes."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    path = _path_for(device)
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    with _memo_lock:
+        memo = _memo.get(path)
+        if memo is not None and memo[0] == stamp:
+            return memo[1]
+    table = _parse(path, table_fingerprint(device))
+    with _memo_lock:
+        _memo[path] = (stamp, table)
+    return table
+
+
+def stamp(device: torch.device | str) -> int | None:
+    """Changes whenever the table for `device` changes (part of the dispatcher's cache key)."""
+    device = torch.device(device)
+    try:
+        return _path_for(device).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def record(device: torch.device | str, shape: str, point: ShapePoint, timings: dict[str, Measurement]) -> Path:
+    """Merge timings measured at one shape into the table for `device` (made fresh if stale or absent).
+    Safe against concurrent writers (lock file, re-read, atomic replace)."""
+    from kda.verify.records import _file_lock
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    path = _path_for(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    expected = table_fingerprint(device)
+    with _file_lock(path.with_suffix(".lock")):
+        table = _parse(path, expected) or TimingTable(path, expected)
+        table.record(shape, point, timings)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(table.as_json(), handle, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+def rank(spec: KDASpec, usable: list[tuple[str, str, int]]) -> tuple[list[str], Ranking | None]:
+    """Order usable backends ``(name, version, priority)`` for an auto call: measured at the nearest tuned
+    shape first (fastest first), the rest by priority. Returns the order and what the table said."""
+    by_priority = [name for name, _, _ in sorted(usable, key=lambda u: -u[2])]
+    table = load(spec.device)
+    if table is None:
+        return by_priority, None
+    found = table.nearest(ShapePoint.of(spec))
+    if found is None:
+        return by_priority, None
+    entry, distance = found
+    versions = {name: version for name, version, _ in usable}
+    timed = {name: m.ms for name, m in entry.timings.items()
+             if name in versions and m.backend_version == versions[name]}
+    if not timed:
+        return by_priority, None
+    order = sorted(timed, key=timed.__getitem__) + [n for n in by_priority if n not in timed]
+    return order, Ranking(entry.shape, distance, timed)

@@ -12,9 +12,9 @@ from kda.api import Route, chunk_kda, explain, trace_routes
 from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
 from kda.dispatch import use_backends
 from kda.errors import BackendSelectionError, KDAError, KDAInputError
-from kda.report import Explanation
 from kda.reference import kda_reference
 from kda.registry import available_backends, get_backend, register_backend, registered_backends, unregister_backend
+from kda.report import Explanation
 from kda.spec import CaseClass, GateMode, KDASpec
 
 __all__ = [

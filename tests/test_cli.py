@@ -246,3 +246,36 @@ def test_cli_as_subprocess(tmp_path):
         assert record is not None and record.passed and record.source == "verify"
     files = sorted(p.name for p in (cache / "verification").glob("*.json"))
     assert files == [f"torch-{payload['fingerprints']['torch']['id']}.json"]
+
+
+def test_cli_jobs_spread_classes_over_processes_and_merge(tmp_path, capsys, monkeypatch):
+    """--jobs runs the classes in child processes (records land in the shared store) and reports them all."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    out_json = tmp_path / "report.json"
+    code = cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2,
+                     "--jobs", "2", "--work-dir", str(tmp_path / "work"), "--json", str(out_json)])
+    assert code == 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
+    payload = read_json(out_json)
+    check_payload(payload, ["torch"], [CHEAP, CHEAP_2], passed=True)
+    assert sorted(p.name for p in (tmp_path / "work").glob("part-*.json")) == ["part-0.json", "part-1.json"]
+    for key in (CHEAP, CHEAP_2):
+        record = default_store().get(kda.get_backend("torch"), "cpu", key)
+        assert record is not None and record.passed and record.source == "verify"
+
+
+def test_cli_can_add_the_bench_classes(tmp_path, capsys, monkeypatch):
+    from kda.verify.check import ClassResult
+
+    seen = []
+
+    def record_only(backend, cc, device, quick):
+        seen.append(cc.key)
+        return ClassResult(backend.name, cc, [])
+
+    monkeypatch.setattr(cli, "verify_class", record_only)
+    cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--with-bench-classes"])
+    from kda.bench.shapes import DEFAULT_SHAPES, MODES, case_class_keys
+
+    assert seen[0] == CHEAP and set(case_class_keys(DEFAULT_SHAPES, list(MODES))) <= set(seen)

@@ -1042,3 +1042,29 @@ def test_hypothesis_one_broken_rule(c: Case, mutation: str):
     assert err.argument == argument, f"{mutation}: {err}"
     assert fragment in err.rule, f"{mutation}: {err}"
     assert err.more == [], f"{mutation} broke more than one rule: {err}"
+
+
+def test_a_repeated_call_reuses_its_validated_spec_and_bad_calls_always_raise():
+    import torch as _torch
+
+    import kda as _kda
+
+    def call(**changes):
+        base = {"q": _torch.randn(1, 8, 1, 4), "k": _torch.randn(1, 8, 1, 4), "v": _torch.randn(1, 8, 1, 4),
+                "g": -_torch.rand(1, 8, 1, 4), "beta": _torch.rand(1, 8, 1)}
+        return {**base, **changes}
+
+    first = _kda.KDASpec.from_call(**call())
+    assert _kda.KDASpec.from_call(**call()) is first  # same shapes, dtypes, devices and flags
+    assert _kda.KDASpec.from_call(**call(output_final_state=True)) is not first
+    assert _kda.KDASpec.from_call(**call(scale=0.3)).scale == 0.3
+    for _ in range(2):  # a failure is never remembered as a pass
+        with pytest.raises(_kda.KDAInputError, match="beta"):
+            _kda.KDASpec.from_call(**call(beta=_torch.rand(1, 8, 2)))
+    varlen = call(cu_seqlens=_torch.tensor([0, 3, 8]))
+    spec = _kda.KDASpec.from_call(**varlen)
+    assert spec.cu_seqlens_values == (0, 3, 8)
+    other_batch = _kda.KDASpec.from_call(**call(cu_seqlens=_torch.tensor([0, 5, 8])))
+    assert other_batch.cu_seqlens_values == (0, 5, 8) and other_batch.routing_key == spec.routing_key
+    with pytest.raises(_kda.KDAInputError, match="cu_seqlens"):
+        _kda.KDASpec.from_call(**call(cu_seqlens=_torch.tensor([0, 9, 8])))

@@ -19,8 +19,8 @@ from kda.verify.check import relative_error
 
 
 def main() -> int:
-    import flash_kda
     import fla.ops.kda as fla_kda
+    import flash_kda
 
     calls = {"n": 0}
     real = flash_kda.fwd

@@ -1,0 +1,203 @@
+"""`python -m kda.bench` on the CPU: shapes, inputs, the result schema, the pct_fla arithmetic (on a fake
+timer, so that the numbers are known), --tune's effect on auto, merging, and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kda
+from kda import timings
+from kda.backends.torch import TorchBackend
+from kda.bench import cli, results, runner
+from kda.bench.runner import BenchConfig, pct_fla
+from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape, case_class_keys, make_inputs
+
+REQUIRED_ROW_FIELDS = {"shape", "mode", "backend", "median_ms", "fla_median_ms", "pct_fla", "peak_bytes",
+                       "cold_start_s"}
+REQUIRED_VERSIONS = {"kda", "torch", "triton", "helion", "tilelang", "flash_kda", "fla", "driver"}
+
+
+class Quick(TorchBackend):
+    name = "quick"
+    priority = -5
+    version = "7"
+
+
+def test_the_issue_shapes_parse_and_name_themselves():
+    assert DEFAULT_SHAPES[:6] == ["B1_T8192_H96_D128", "B2_T16384_H16_D128", "B4_T2048_H16_D128",
+                                  "B4_T4096_H64_D128", "B8_T2048_H32_D256", "B8_T1024_H8_D64"]
+    mixed = BenchShape.parse("varlen_H96_D128_L1300-547-2048-963-271-3063")
+    assert mixed.varlen and mixed.B == 1 and mixed.T == 8192 and mixed.num_seqs == 6
+    repeated = BenchShape.parse("varlen_H64_D128_L1024x8")
+    assert repeated.seq_lens == (1024,) * 8 and repeated.T == 8192
+    dense = BenchShape.parse("B8_T2048_H32_D256")
+    assert (dense.B, dense.T, dense.H, dense.D, dense.varlen) == (8, 2048, 32, 256, False)
+    varlen = [BenchShape.parse(s) for s in DEFAULT_SHAPES[6:]]
+    assert {(s.H, s.D, s.T) for s in varlen} == {(96, 128, 8192), (64, 128, 8192)}
+    for bad in ("B1_T8192_H96", "varlen_H96_D128_Lx", "varlen_H96_D128_L12ax2", "nonsense"):
+        with pytest.raises(ValueError):
+            BenchShape.parse(bad)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_inputs_are_random_realistic_and_valid(mode):
+    shape = BenchShape.parse("varlen_H2_D16_L5-0-11")
+    inputs = make_inputs(shape, MODES[mode], "cpu", seed=3)
+    kwargs = inputs.kwargs
+    spec = kda.KDASpec.from_call(**kwargs, requires_grad=MODES[mode].training)  # a valid call
+    assert spec.T == 16 and spec.num_seqs == 3 and kwargs["cu_seqlens"].tolist() == [0, 5, 5, 16]
+    for name in ("q", "k", "v", "g", "beta"):
+        assert (kwargs[name] != 0).float().mean() > 0.9, f"{name} is mostly zeros"
+        assert kwargs[name].dtype == torch.bfloat16
+    if MODES[mode].gate == "pregated":
+        assert (kwargs["g"].float() <= 0).all()
+    else:
+        assert kwargs["lower_bound"] == -5.0 and kwargs["safe_gate"]
+    assert ("initial_state" in kwargs) == MODES[mode].states
+    assert bool(inputs.leaves) == MODES[mode].training
+    other = make_inputs(shape, MODES[mode], "cpu", seed=4).kwargs
+    assert not torch.equal(kwargs["q"], other["q"])
+
+
+def test_case_classes_of_the_bench_cover_every_shape_and_mode():
+    keys = case_class_keys(DEFAULT_SHAPES, list(MODES))
+    assert "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/fwd" in keys
+    assert "pregated/l2/sig/bf16/varlen/mha/nostate/c64/d128/train" in keys
+    assert {k.split("/")[8] for k in keys} == {"d64", "d128", "d256"}
+
+
+def test_pct_fla_arithmetic():
+    assert pct_fla(2.0, 1.0) == 200.0
+    assert pct_fla(1.5, 3.0) == 50.0
+    assert pct_fla(None, 1.0) is None and pct_fla(1.0, None) is None and pct_fla(1.0, 0.0) is None
+
+
+def fake_measurements(monkeypatch, ms: dict[str, float]) -> list[str]:
+    """Every backend and baseline 'runs' instantly; the timer answers `ms[name]`. Returns the cold log."""
+    real_call_for = runner.call_for
+
+    def call_for(name, inputs, mode):
+        if name == "baseline:flashkda" and mode.training:
+            return None, "FlashKDA is an inference forward with the safe gate only"
+        if name.startswith("baseline:"):
+            fake = lambda: None  # noqa: E731
+        else:
+            fake, why = real_call_for(name, inputs, mode)
+            if fake is None:
+                return None, why
+        fake.backend = name  # type: ignore[attr-defined]
+        return fake, None
+
+    cold_log: list[str] = []
+
+    def cold(backend, shape, mode, device):
+        cold_log.append(f"{backend}@{shape}/{mode}")
+        return {"first_call_s": 1.25, "process_s": 4.5, "new_cache_files": 3}
+
+    monkeypatch.setattr(runner, "call_for", call_for)
+    monkeypatch.setattr(runner.timing, "cold_start", cold)
+    monkeypatch.setattr(runner.timing, "median_ms", lambda fn, device, **kw: ms[fn.backend])
+    monkeypatch.setattr(runner.timing, "peak_bytes", lambda fn, device: 1024)
+    return cold_log
+
+
+def test_rows_hold_same_run_ratios_and_the_schema(seed, monkeypatch, tmp_path):
+    kda.register_backend(Quick)
+    ms = {"baseline:fla": 3.0, "baseline:flashkda": 1.5, "torch": 6.0, "quick": 2.0, "auto": 2.0}
+    cold_log = fake_measurements(monkeypatch, ms)
+    config = BenchConfig(["B1_T24_H2_D16", "varlen_H2_D16_L9-15"], ["fwd", "train_safe"],
+                         ["baseline:fla", "baseline:flashkda", "torch", "quick", "flashkda", "auto"],
+                         torch.device("cpu"), cold_start="first", tune=True)
+    seen: list[str] = []
+    rows = runner.run(config, on_row=lambda row: seen.append(row.backend), timer=runner.timing.median_ms,
+                      memory=runner.timing.peak_bytes, cold=runner.timing.cold_start)
+    assert len(rows) == len(seen) == 2 * 2 * 6
+    by = {(r.shape, r.mode, r.backend): r for r in rows}
+
+    for (shape, mode, backend), row in by.items():
+        assert row.fla_median_ms == 3.0
+        if row.status == "ok":
+            assert row.median_ms == ms[backend]
+            assert row.pct_fla == pytest.approx(100 * 3.0 / ms[backend])
+            assert row.peak_bytes == 1024
+        cold_expected = shape == "B1_T24_H2_D16" and row.status == "ok"
+        assert (row.cold_start_s == 1.25) == cold_expected, (shape, mode, backend)
+
+    assert by[("B1_T24_H2_D16", "fwd", "quick")].pct_fla == 150.0
+    assert by[("B1_T24_H2_D16", "fwd", "torch")].pct_fla == 50.0
+    skipped = by[("B1_T24_H2_D16", "fwd", "flashkda")]
+    assert skipped.status == "skipped" and "flash_kda does not import" in skipped.reason
+    assert by[("B1_T24_H2_D16", "train_safe", "baseline:flashkda")].status == "skipped"
+    assert "auto@B1_T24_H2_D16/fwd" in cold_log and not any("varlen" in c for c in cold_log)
+
+    # --tune recorded quick (2 ms) as faster than torch (6 ms), so auto chose it despite its priority.
+    for mode in ("fwd", "train_safe"):
+        assert by[("B1_T24_H2_D16", mode, "auto")].chose == "quick"
+    table = timings.load("cpu")
+    assert table is not None and len(table.entries) == 4
+    assert all(set(e.timings) == {"torch", "quick"} for e in table.entries)  # kda backends only
+
+    data = results.payload(rows, torch.device("cpu"), {"note": "test"})
+    assert REQUIRED_VERSIONS <= set(data["versions"]) and data["gpu"]["name"].startswith("cpu")
+    for row in data["rows"]:
+        assert REQUIRED_ROW_FIELDS <= set(row)
+    paths = results.write(data, tmp_path / "out")
+    assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(data))
+    markdown = paths["md"].read_text()
+    assert "| B1_T24_H2_D16 | fwd | quick | 2.000 | 3.000 | 150% |" in markdown
+    assert ("pct_fla.png" in markdown) == ("png" in paths)
+
+
+def test_cli_end_to_end_on_the_cpu(seed, tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = cli.main(["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--mode", "train_pregated", "--backend", "torch",
+                     "--backend", "auto", "--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1",
+                     "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["mode"], r["backend"]) for r in data["rows"]] == [
+        ("fwd", "torch"), ("fwd", "auto"), ("train_pregated", "torch"), ("train_pregated", "auto")]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["pct_fla"] is None for r in data["rows"])
+    assert data["rows"][1]["chose"] == "torch"
+    printed = capsys.readouterr().out
+    assert "bench on cpu" in printed and "results.json" in printed
+
+    assert cli.main(["--backend", "nope", "--out", str(out)]) == 2
+    assert cli.main(["--shape", "B1_T20", "--out", str(out)]) == 2
+
+
+def test_merge_joins_runs_of_one_gpu_and_refuses_others(tmp_path):
+    def part(name: str, versions: dict[str, Any]) -> Path:
+        data = {"kda": "x", "date": "d", "gpu": {"name": "G"}, "versions": versions, "settings": {},
+                "rows": [{"shape": name, "mode": "fwd", "backend": "fla", "kind": "kda", "status": "ok",
+                          "reason": None, "median_ms": 1.0, "fla_median_ms": 1.0, "pct_fla": 100.0,
+                          "peak_bytes": 1, "cold_start_s": None, "cold_process_s": None,
+                          "cold_new_cache_files": None, "chose": None}]}
+        path = tmp_path / name / "results.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(data))
+        return path
+
+    a, b, c = part("a", {"torch": "1"}), part("b", {"torch": "1"}), part("c", {"torch": "2"})
+    assert cli.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert [r["shape"] for r in merged["rows"]] == ["a", "b"]
+    assert cli.main(["--merge", str(a), str(c), "--out", str(tmp_path / "n")]) == 2
+
+
+def test_jobs_keep_compile_groups_together_and_balance_them():
+    shares = cli.compile_groups(DEFAULT_SHAPES, 4)
+    assert len(shares) == 4 and sorted(s for share in shares for s in share) == sorted(DEFAULT_SHAPES)
+    assert shares[0][0] == DEFAULT_SHAPES[0]
+    for share in shares:  # a (heads, head dim, layout) group is never split
+        for other in shares:
+            if other is not share:
+                keys = {(BenchShape.parse(s).H, BenchShape.parse(s).D, BenchShape.parse(s).varlen) for s in share}
+                assert not keys & {(BenchShape.parse(s).H, BenchShape.parse(s).D, BenchShape.parse(s).varlen)
+                                   for s in other}
+    assert cli.compile_groups(["B1_T8_H2_D8"], 3) == [["B1_T8_H2_D8"]]

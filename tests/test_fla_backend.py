@@ -1,0 +1,209 @@
+"""The `fla` adapter, against stand-in `fla.ops.kda.chunk` modules built like FLA 0.6's (no GPU needed).
+
+FLA wraps `chunk_kda` in its own backend dispatcher, which sends inference calls to FlashKDA. The stand-in
+reproduces that: its public `chunk_kda` is a dispatching wrapper (functools.wraps) around the real
+function, and the wrapper counts every call it routes elsewhere. The tests prove that kda's `fla` backend
+reaches the inner function and never the wrapper, forward and backward, with the right gradients.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda
+from kda.backends.base import KDAInputs, Verdict
+from kda.backends.fla import FLABackend, fla_triton_chunk_kda
+from kda.reference import kda_reference
+from kda.spec import KDASpec
+from kda.verify.check import relative_error
+
+STANDIN = textwrap.dedent('''
+    import functools
+    import torch
+    from kda.reference import kda_reference
+
+    CALLS = {"inner": 0, "routed_elsewhere": 0}
+    SCALE_OUTPUT = 1.0
+
+    def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                  allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                  return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                  cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
+        CALLS["inner"] += 1
+        assert cu_seqlens is None or cu_seqlens.dtype == torch.int64
+        assert kwargs.pop("chunk_size") in (32, 64)
+        o, state = kda_reference(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            compute_dtype=torch.float32, **kwargs)
+        return (o * SCALE_OUTPUT).to(q.dtype), state
+
+    def _dispatch(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            CALLS["routed_elsewhere"] += 1  # FLA would hand inference calls to FlashKDA here
+            return function(*args, **kwargs)
+        return wrapper
+
+    chunk_kda = _dispatch(_dispatch(chunk_kda))  # FLA stacks compiler.disable over its dispatcher
+''')
+
+DISPATCHER_ONLY = textwrap.dedent('''
+    def dispatch(*args, **kwargs):
+        raise RuntimeError("routed")
+
+    def chunk_kda(*args, **kwargs):
+        return dispatch(*args, **kwargs)
+''')
+
+
+def install(monkeypatch, source: str = STANDIN) -> types.ModuleType:
+    module = types.ModuleType("fla.ops.kda.chunk")
+    exec(compile(source, "<fla.ops.kda.chunk stand-in>", "exec"), module.__dict__)
+    for name in ("fla", "fla.ops", "fla.ops.kda"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda.chunk", module)
+    return module
+
+
+class CPUFLA(FLABackend):
+    """The real adapter, allowed on the CPU so that it can be dispatched and verified here."""
+
+    def available(self) -> Verdict:
+        fla_triton_chunk_kda()
+        return Verdict.yes()
+
+    def supports(self, spec: KDASpec) -> Verdict:
+        return Verdict.yes()
+
+
+def safe_call(*, varlen: bool = False, requires_grad: bool = False, state_v_first: bool = False) -> dict[str, Any]:
+    B, T, H, HV, K, V = (1, 45, 1, 2, 16, 8) if varlen else (2, 21, 1, 2, 16, 8)
+    call: dict[str, Any] = {
+        "q": torch.randn(B, T, H, K), "k": torch.randn(B, T, H, K), "v": torch.randn(B, T, HV, V),
+        "g": torch.randn(B, T, HV, K), "beta": torch.randn(B, T, HV),
+        "A_log": torch.rand(HV), "dt_bias": torch.randn(HV * K) * 0.5, "use_gate_in_kernel": True,
+        "safe_gate": True, "lower_bound": -5.0, "use_qk_l2norm_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True, "output_final_state": True, "state_v_first": state_v_first,
+        "chunk_size": 32,
+    }
+    N = 3 if varlen else B
+    if varlen:
+        call["cu_seqlens"] = torch.tensor([0, 13, 13, T], dtype=torch.int32)
+    call["initial_state"] = torch.randn(N, HV, V, K) if state_v_first else torch.randn(N, HV, K, V)
+    if requires_grad:
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+            call[name].requires_grad_(True)
+    return call
+
+
+def reference(call: dict[str, Any]):
+    ref = {n: (t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+               and t.is_floating_point() else t) for n, t in call.items() if n != "chunk_size"}
+    o, state = kda_reference(**ref)
+    return ref, o, state
+
+
+def test_unwraps_to_flas_own_function_not_its_dispatcher(monkeypatch):
+    module = install(monkeypatch)
+    inner = fla_triton_chunk_kda()
+    assert inner is not module.chunk_kda and inner.__code__.co_name == "chunk_kda"
+    assert inner.__module__ == "fla.ops.kda.chunk"
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_forward_runs_the_inner_function_only(seed, monkeypatch, varlen):
+    module = install(monkeypatch)
+    call = safe_call(varlen=varlen)
+    spec = KDASpec.from_call(**call)
+    inputs = KDAInputs(**{n: call.get(n) for n in KDAInputs.__dataclass_fields__ if n in call})
+    result = FLABackend().forward(inputs, spec)
+    assert module.CALLS == {"inner": 1, "routed_elsewhere": 0}
+    _, o_ref, state_ref = reference(call)
+    assert relative_error(result.o, o_ref) < 1e-5
+    assert relative_error(result.final_state, state_ref) < 1e-5
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+def test_training_gives_every_gradient_through_flas_graph(seed, monkeypatch, state_v_first):
+    module = install(monkeypatch)
+    kda.register_backend(CPUFLA, replace=True)
+    call = safe_call(varlen=True, requires_grad=True, state_v_first=state_v_first)
+    with kda.trace_routes() as routes:
+        o, state = kda.chunk_kda(**call, backend="fla")
+        do, dstate = torch.randn_like(o), torch.randn_like(state)
+        grads = torch.autograd.grad([o, state], [call[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                                                   "initial_state")], [do, dstate])
+    assert [(r.backend, r.phase) for r in routes] == [("fla", "forward"), ("fla", "backward")]
+    assert module.CALLS["routed_elsewhere"] == 0 and module.CALLS["inner"] >= 1
+
+    ref, o_ref, state_ref = reference(call)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    ref_grads = torch.autograd.grad([o_ref, state_ref], [ref[n] for n in names], [do.double(), dstate.double()])
+    for name, got, want in zip(names, grads, ref_grads):
+        assert relative_error(got, want) < 1e-4, name
+
+
+def test_a_wrong_fla_fails_verification_and_is_not_used(seed, monkeypatch):
+    module = install(monkeypatch)
+    module.SCALE_OUTPUT = 1.02  # 2% off
+    kda.register_backend(CPUFLA, replace=True)
+    call = safe_call()
+    with pytest.raises(kda.BackendSelectionError, match="rel. error"):
+        kda.chunk_kda(**call, backend="fla")
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call)
+    assert [r.backend for r in routes] == ["torch"]
+
+
+def test_unavailable_with_reasons(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla.ops.kda.chunk", None)
+    assert "does not load" in str(FLABackend().available())
+    install(monkeypatch, DISPATCHER_ONLY)
+    verdict = FLABackend().available()
+    assert not verdict and "dispatcher" in str(verdict)
+    install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "need a GPU" in str(FLABackend().available())
+    cpu_spec = KDASpec.from_call(**{k: v for k, v in safe_call().items()})
+    assert "CUDA only" in str(FLABackend().supports(cpu_spec))
+
+
+def test_tilelang_route_is_part_of_the_fingerprint(monkeypatch):
+    monkeypatch.setenv("FLA_TILELANG", "0")
+    assert FLABackend().fingerprint_extras() == {"fla_tilelang_route": "off"}
+
+
+def test_pinning_gives_each_autotuner_one_config_and_puts_them_back(monkeypatch):
+    triton = pytest.importorskip("triton", reason="Triton is not installed (the pinning acts on its autotuners)")
+    from kda.backends.fla.pinning import _autotuners, pinned_autotune
+
+    @triton.jit
+    def kernel(x, BLOCK: triton.language.constexpr):
+        pass
+
+    configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
+    tuner = triton.autotune(configs=configs, key=[])(kernel)
+    fake = types.ModuleType("fla.ops.fake_kernels")
+    fake.tuned = tuner
+    fake.wrapped = triton.heuristics({"BLOCK": lambda args: 16})(triton.autotune(configs=configs, key=[])(kernel))
+    monkeypatch.setitem(sys.modules, "fla.ops.fake_kernels", fake)
+    found = _autotuners()
+    assert tuner in found and fake.wrapped.fn in found
+    with pinned_autotune():
+        assert tuner.configs == configs[:1] and len(fake.wrapped.fn.configs) == 1
+    assert tuner.configs == configs and len(fake.wrapped.fn.configs) == 3
+    with pytest.raises(ValueError), pinned_autotune():
+        raise ValueError("restored even on error")
+    assert tuner.configs == configs
+    _ = F  # (keeps the import used when triton is absent)

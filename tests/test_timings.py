@@ -1,0 +1,140 @@
+"""The timing table that orders verified backends for `auto` (kda.timings), and its effect on dispatch."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda
+from kda import timings
+from kda.backends.torch import TorchBackend
+from kda.timings import Measurement, ShapePoint
+
+
+class Faster(TorchBackend):
+    """The torch backend's numbers under another name and a lower priority (so priority alone ranks it last)."""
+
+    name = "faster"
+    priority = -5
+    version = "3"
+
+
+def call(T: int = 40, H: int = 2, K: int = 16) -> dict[str, Any]:
+    return {
+        "q": F.normalize(torch.randn(1, T, H, K), dim=-1), "k": F.normalize(torch.randn(1, T, H, K), dim=-1),
+        "v": torch.randn(1, T, H, K), "g": F.logsigmoid(torch.randn(1, T, H, K) + 1.0),
+        "beta": torch.rand(1, T, H) * 0.9 + 0.05,
+    }
+
+
+def point(**changes: Any) -> ShapePoint:
+    base = dict(training=False, gate="pregated", dtype="float32", K=16, V=16, varlen=False, tokens=40, heads=2,
+                mean_len=40.0)
+    return ShapePoint(**{**base, **changes})
+
+
+def test_distance_compares_only_comparable_shapes():
+    here = point()
+    assert here.distance(here) == 0
+    assert here.distance(point(tokens=80)) == pytest.approx(1.0)  # one doubling
+    assert here.distance(point(tokens=160, heads=4)) == pytest.approx(3.0)
+    assert here.distance(point(gate="safe")) == pytest.approx(0.5)
+    assert here.distance(point(varlen=True)) == pytest.approx(0.5)
+    for far in (point(training=True), point(dtype="bfloat16"), point(K=128), point(V=256)):
+        assert math.isinf(here.distance(far))
+    assert here.distance(point(K=32)) == 0  # same head-dimension bucket (64)
+
+
+def test_point_of_a_spec_uses_tokens_heads_and_mean_length():
+    spec = kda.KDASpec.from_call(**call(T=40, H=2))
+    assert ShapePoint.of(spec) == point()
+    varlen = {**call(T=40), "cu_seqlens": torch.tensor([0, 10, 40])}
+    assert ShapePoint.of(kda.KDASpec.from_call(**varlen)).mean_len == 20.0
+
+
+def test_without_a_table_priority_decides():
+    kda.register_backend(Faster)
+    spec = kda.KDASpec.from_call(**call())
+    order, ranking = timings.rank(spec, [("torch", "1", 0), ("faster", "3", -5)])
+    assert order == ["torch", "faster"] and ranking is None
+    explanation = kda.explain(**call())
+    assert explanation.chosen == "torch" and "static priority" in str(explanation)
+
+
+def test_the_table_makes_auto_use_the_fastest_verified_backend(seed):
+    kda.register_backend(Faster)
+    spec = kda.KDASpec.from_call(**call())
+    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"torch": Measurement(2.0, "1"),
+                                                             "faster": Measurement(1.0, "3")})
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call())
+    assert [r.backend for r in routes] == ["faster"]
+    text = str(kda.explain(**call()))
+    assert "ranked by timings at tiny / fwd" in text and "faster 1 ms" in text and "torch 2 ms" in text
+
+    # Nearby shapes use the same measurement; an explicit list keeps its own order.
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call(T=70))
+        kda.chunk_kda(**call(), backend=["torch", "faster"])
+    assert [r.backend for r in routes] == ["faster", "torch"]
+
+    # Far from every tuned shape (here: another head-dimension bucket), priority decides again.
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call(K=128))
+    assert [r.backend for r in routes] == ["torch"]
+
+
+def test_a_timing_never_makes_an_unverified_backend_usable(seed):
+    class Wrong(Faster):
+        name = "wrong"
+
+        def forward(self, inputs, spec, out=None):
+            result = super().forward(inputs, spec, out)
+            result.o.mul_(1.5)
+            return result
+
+    kda.register_backend(Wrong)
+    spec = kda.KDASpec.from_call(**call())
+    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"wrong": Measurement(0.1, "3"),
+                                                             "torch": Measurement(2.0, "1")})
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call())
+    assert [r.backend for r in routes] == ["torch"]
+
+
+def test_stale_or_corrupt_tables_fall_back_to_priority(seed):
+    kda.register_backend(Faster)
+    spec = kda.KDASpec.from_call(**call())
+    path = timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"faster": Measurement(1.0, "2")})
+    # A timing for another version of the backend is ignored:
+    assert timings.rank(spec, [("torch", "1", 0), ("faster", "3", -5)]) == (["torch", "faster"], None)
+
+    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"faster": Measurement(1.0, "3")})
+    assert timings.rank(spec, [("torch", "1", 0), ("faster", "3", -5)])[0] == ["faster", "torch"]
+
+    good = path.read_text()
+    for broken in ("{not json", json.dumps({"fingerprint": {}, "entries": []}),
+                   good.replace('"ms": 1.0', '"ms": "fast"'), good.replace('"ms": 1.0', '"ms": -1.0'),
+                   json.dumps({"entries": []})):
+        path.write_text(broken)
+        assert timings.load("cpu") is None, broken
+        with kda.trace_routes() as routes:
+            kda.chunk_kda(**call())
+        assert [r.backend for r in routes] == ["torch"]
+    path.unlink()
+    assert timings.load("cpu") is None
+
+
+def test_record_merges_measurements_at_the_same_point():
+    spec = kda.KDASpec.from_call(**call())
+    timings.record("cpu", "a", ShapePoint.of(spec), {"torch": Measurement(2.0, "1")})
+    timings.record("cpu", "a", ShapePoint.of(spec), {"faster": Measurement(1.0, "3")})
+    timings.record("cpu", "b", point(tokens=4096), {"torch": Measurement(9.0, "1")})
+    table = timings.load("cpu")
+    assert table is not None and len(table.entries) == 2
+    assert set(table.entries[0].timings) == {"torch", "faster"}

@@ -1,0 +1,72 @@
+"""The `triton` backend: kda's own chunked KDA kernels in Triton (forward; backward to come).
+
+Stages, one module and one launch each (the math is in each module's docstring):
+
+1. `gate`  : the gate activation (pre-gated, softplus or safe) fused with the in-chunk cumulative sum;
+2. `intra` : per chunk, the causal scores ``A_kk`` / ``A_qk`` exponentiated against a local anchor, the
+             WY transform ``T = (I + A_kk)^-1`` and ``w, u``;
+3. `state` : the serial pass over chunks, fused with the output.
+
+It covers the whole contract (gate modes, l2norm and beta sigmoid in kernel, ``allow_neg_eigval``,
+varlen, GVA, both state layouts, chunk 32 and 64, K and V up to 256, any T, bf16/fp16/fp32). Launch
+configurations are shipped per architecture (`configs`); nothing is tuned at call time.
+
+With ``TRITON_INTERPRET=1`` the backend accepts CPU tensors and runs in Triton's interpreter: slow, but
+it is how CI checks the kernels and how a user without a GPU can step through them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda.backends.base import Backend, ForwardResult, KDAInputs, KDAOutputs, Verdict
+from kda.spec import KDASpec
+
+MIN_CAPABILITY = (8, 0)
+
+
+def _interpreting() -> bool:
+    from kda.backends.triton.forward import interpreting
+
+    return interpreting()
+
+
+class TritonBackend(Backend):
+    """kda's own Triton kernels (forward only for now)."""
+
+    name = "triton"
+    version = "0"
+    priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
+    trains = False
+    writes_into_outputs = True
+    description = "kda's own chunked Triton kernels (3 launches); forward only; CPU through TRITON_INTERPRET=1"
+
+    def available(self) -> Verdict:
+        try:
+            import triton  # noqa: F401
+
+            from kda.backends.triton import forward  # noqa: F401
+        except Exception as error:
+            return Verdict.no(f"triton does not import ({type(error).__name__}: {error}); install the `triton` extra")
+        if _interpreting():
+            return Verdict.yes("TRITON_INTERPRET=1: runs on CPU tensors in Triton's interpreter")
+        if not torch.cuda.is_available():
+            return Verdict.no("needs a CUDA GPU (or TRITON_INTERPRET=1 to run CPU tensors in the interpreter)")
+        return Verdict.yes()
+
+    def fingerprint_extras(self) -> dict[str, str]:
+        return {"interpreter": "on" if _interpreting() else "off"}
+
+    def supports(self, spec: KDASpec) -> Verdict:
+        broken = []
+        if spec.device.type == "cuda":
+            if torch.cuda.get_device_capability(spec.device) < MIN_CAPABILITY:
+                broken.append("needs compute capability >= 8.0")
+        elif not (spec.device.type == "cpu" and _interpreting()):
+            broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
+        return Verdict.unless(broken)
+
+    def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
+        from kda.backends.triton.forward import triton_forward
+
+        return triton_forward(inputs, spec, out)

@@ -1,0 +1,45 @@
+"""Host-side chunk bookkeeping: which tokens each chunk covers, for dense and variable-length batches.
+
+Every kernel works on the flattened token axis (``B*T`` tokens for a dense batch, ``T`` for varlen). A
+sequence ``n`` spans tokens ``[bounds[n], bounds[n+1])``; its chunks start every ``C`` tokens from
+``bounds[n]`` and the last one may be partial. Chunks never straddle two sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    bounds: torch.Tensor  # [N+1] int32: sequence boundaries on the token axis
+    chunk_starts: torch.Tensor  # [NT] int32: first token of each chunk
+    chunk_seq_ends: torch.Tensor  # [NT] int32: end (exclusive) of the chunk's sequence
+    chunk_offsets: torch.Tensor  # [N] int32: index of each sequence's first chunk
+    num_seqs: int
+    num_chunks: int
+
+
+def chunk_layout(bounds: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    return _layout(tuple(int(b) for b in bounds), chunk_size, str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(bounds: tuple[int, ...], chunk_size: int, device: str) -> ChunkLayout:
+    starts: list[int] = []
+    seq_ends: list[int] = []
+    offsets: list[int] = []
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        offsets.append(len(starts))
+        for start in range(bos, eos, chunk_size):
+            starts.append(start)
+            seq_ends.append(eos)
+
+    def as_tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(values if values else [0], dtype=torch.int32, device=device)
+
+    return ChunkLayout(as_tensor(bounds), as_tensor(starts), as_tensor(seq_ends), as_tensor(offsets),
+                       len(bounds) - 1, len(starts))

@@ -1,0 +1,99 @@
+"""The forward pass: three launches, one per stage (see `gate`, `intra`, `state`).
+
+Shapes on the flattened token axis (``tokens = B*T``, or ``T`` with varlen): q, k ``[tokens, H, K]``,
+v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
+Intermediates (fp32): ``G [tokens, HV, K]``, ``w [tokens, HV, K]``, ``u [tokens, HV, V]``,
+``A_kk, A_qk [NT, HV, C, C]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
+from kda.backends.triton.chunks import chunk_layout
+from kda.backends.triton.configs import launch_config
+from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kernel
+from kda.backends.triton.intra import intra_chunk_kernel
+from kda.backends.triton.state import state_output_kernel
+from kda.errors import KDAInputError
+from kda.spec import GateMode, KDASpec, cu_seqlens_violation
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
+    if not spec.is_varlen:
+        return tuple(b * spec.T for b in range(spec.B + 1))
+    bounds = inputs.host_cu_seqlens()  # a device sync when the caller gave no host copy
+    assert bounds is not None
+    broken = cu_seqlens_violation(bounds, spec.T)
+    if broken is not None:  # the spec could not read a device-resident cu_seqlens without a sync
+        raise KDAInputError("cu_seqlens", broken)
+    return tuple(bounds)
+
+
+def triton_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
+    device = spec.device
+    B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
+    tokens = B * T
+    layout = chunk_layout(sequence_bounds(inputs, spec), C, device)
+    NT, N = layout.num_chunks, layout.num_seqs
+    BK, BV_all = _block(K), _block(V)
+    major = None if device.type != "cuda" else torch.cuda.get_device_capability(device)[0]
+    config = launch_config(major, K, V)
+    precision = "ieee" if spec.dtype == torch.float32 else "tf32"
+
+    q, k, v, g, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+    A_log = None if inputs.A_log is None else inputs.A_log.contiguous()
+    dt_bias = None if inputs.dt_bias is None else inputs.dt_bias.reshape(-1).contiguous()
+    f32 = torch.float32
+    G = torch.empty(tokens, HV, K, dtype=f32, device=device)
+    w = torch.empty(tokens, HV, K, dtype=f32, device=device)
+    u = torch.empty(tokens, HV, V, dtype=f32, device=device)
+    A_kk = torch.empty(max(NT, 1), HV, C, C, dtype=f32, device=device)
+    A_qk = torch.empty_like(A_kk)
+    o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=spec.dtype,
+                                                                             device=device)
+    ht = None
+    if spec.output_final_state:
+        reuse = out is not None and out.final_state is not None and out.final_state.is_contiguous()
+        ht = out.final_state if reuse else torch.empty(spec.state_shape, dtype=f32, device=device)
+    h0 = None if inputs.initial_state is None else inputs.initial_state.contiguous()
+
+    if NT > 0:
+        gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SAFE: SAFE}[spec.gate_mode]
+        gate_cumsum_kernel[(NT, HV)](
+            g, A_log if A_log is not None else G, dt_bias if dt_bias is not None else G, G,
+            layout.chunk_starts, layout.chunk_seq_ends, float(spec.lower_bound or 0.0),
+            HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BK,
+        )
+        intra_chunk_kernel[(NT, HV)](
+            q, k, v, beta, G, A_kk, A_qk, w, u, layout.chunk_starts, layout.chunk_seq_ends,
+            H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, SIGMOID=spec.use_beta_sigmoid_in_kernel,
+            TWO=spec.allow_neg_eigval, BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), DOT_PRECISION=precision,
+            num_warps=config.intra_warps,
+        )
+    BV = min(config.state_block_v, BV_all)
+    state_output_kernel[(N, HV, triton.cdiv(V, BV))](
+        q, k, w, u, G, A_qk, o, h0 if h0 is not None else G, ht if ht is not None else G,
+        layout.bounds, layout.chunk_offsets, spec.scale,
+        H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision, num_warps=config.state_warps,
+    )
+    if out is not None and o is not out.o:
+        out.o.copy_(o)
+        o = out.o
+    if ht is not None and out is not None and out.final_state is not None and ht is not out.final_state:
+        out.final_state.copy_(ht)
+        ht = out.final_state
+    return ForwardResult(o, ht)

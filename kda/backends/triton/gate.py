@@ -1,0 +1,60 @@
+"""Stage 1: the gate activation fused with the in-chunk cumulative sum.
+
+Per value head ``hv`` and chunk, with ``x = g + dt_bias[hv]``::
+
+    pregated   a_t = g_t                                       (already a log decay)
+    softplus   a_t = -exp(A_log[hv]) * softplus(x_t)
+    safe       a_t = lower_bound * sigmoid(exp(A_log[hv]) * x_t)   (exp(A_log) = 1 without A_log)
+
+    G_t = sum_{s <= t, s in chunk} a_s          (fp32; non-increasing in t, G <= 0)
+
+Grid ``(NT, HV)``; one program loads the chunk's ``[C, K]`` gate inputs once and writes ``G`` once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PREGATED, SOFTPLUS, SAFE = 0, 1, 2
+
+
+@triton.jit
+def gate_cumsum_kernel(
+    g,  # [tokens, HV, K] raw gate input (any float dtype)
+    A_log,  # [HV] fp32 (or a dummy pointer)
+    dt_bias,  # [HV * K] fp32 (or a dummy pointer)
+    G,  # [tokens, HV, K] fp32 out: in-chunk cumulative log decay
+    chunk_starts,  # [NT] int32
+    chunk_seq_ends,  # [NT] int32
+    lower_bound,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    start = tl.load(chunk_starts + i_c)
+    end = tl.minimum(tl.load(chunk_seq_ends + i_c), start + BT)
+    rows = start + tl.arange(0, BT)
+    cols = tl.arange(0, BK)
+    mask = (rows[:, None] < end) & (cols[None, :] < K)
+    offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
+    x = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
+    if GATE != PREGATED:
+        if HAS_DT_BIAS:
+            x += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]
+        if HAS_A_LOG:
+            a = tl.exp(tl.load(A_log + i_hv))
+        else:
+            a = 1.0
+        if GATE == SOFTPLUS:
+            # softplus(x) = log(1 + e^x), computed without overflow for large x
+            x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        else:
+            x = lower_bound * tl.sigmoid(a * x)
+    x = tl.where(mask, x, 0.0)
+    tl.store(G + offsets, tl.cumsum(x, axis=0), mask=mask)

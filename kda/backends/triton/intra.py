@@ -1,0 +1,174 @@
+"""Stage 2: inside each chunk, the scores and the WY transform.
+
+For one chunk of ``C`` tokens of value head ``hv`` (q/k head ``h = hv // group``), with ``G`` the
+in-chunk cumulative log decay of stage 1 and ``beta`` after its activation::
+
+    A_kk[i, j] = beta_i * sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])      j < i
+    A_qk[i, j] =          sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])      j <= i
+    T = (I + A_kk)^-1                                 (unit lower triangular)
+    w = T @ (beta * k * exp(G))        [C, K]
+    u = T @ (beta * v)                 [C, V]
+
+so that the chunk's new values are ``u - w @ S0`` for the state ``S0`` before the chunk (stage 3).
+
+Overflow. ``G`` falls without bound inside a chunk (pre-gated and softplus gates have no floor), so
+``exp(G_i - G_j)`` is never split as ``exp(G_i) * exp(-G_j)`` over the whole chunk. The chunk is cut
+into sub-chunks of 16 rows; for a block of rows ``I`` against an earlier block of columns ``J`` the
+anchor is the first row ``a`` of ``I`` (``j < a <= i``)::
+
+    exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j)        both factors <= 1
+
+and the block is one matrix product. Diagonal blocks (``i, j`` in the same sub-chunk) are computed
+element by element with the exponent masked to -inf above the diagonal before ``exp``: every exponent
+that is exponentiated is <= 0, whatever the gate.
+
+Grid ``(NT, HV)``. A_kk and A_qk blocks go through a ``[NT, HV, C, C]`` fp32 scratch (A_qk is kept for
+stage 3); ``T`` comes from forward substitution on the full ``[C, C]`` block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BC = 16  # sub-chunk rows: the smallest tile tl.dot takes
+L2_EPS = 1e-6
+
+
+@triton.jit
+def _inv_norm(x, L2: tl.constexpr):
+    """Per row of ``x [rows, K]``: ``1 / sqrt(sum x^2 + eps)`` with l2norm in kernel, else 1."""
+    if L2:
+        return tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)
+    return tl.full([x.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def _rows_l2(x, L2: tl.constexpr):
+    if L2:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)[:, None]
+    return x
+
+
+@triton.jit
+def _beta(b, SIGMOID: tl.constexpr, TWO: tl.constexpr):
+    if SIGMOID:
+        b = tl.sigmoid(b)
+        if TWO:
+            b = 2.0 * b
+    return b
+
+
+@triton.jit
+def intra_chunk_kernel(
+    q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
+    G,  # [tokens, HV, K] fp32 (stage 1)
+    A_kk, A_qk,  # [NT, HV, BT, BT] fp32 scratch / out
+    w, u,  # [tokens, HV, K], [tokens, HV, V] fp32 out
+    chunk_starts, chunk_seq_ends,  # [NT] int32
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start = tl.load(chunk_starts + i_c)
+    end = tl.minimum(tl.load(chunk_seq_ends + i_c), start + BT)
+    cols = tl.arange(0, BK)
+    a_base = (i_c.to(tl.int64) * HV + i_hv) * BT * BT
+    sub = tl.arange(0, BC)
+
+    # ---- the A_kk and A_qk blocks, 16 rows at a time --------------------------------------------
+    for I in tl.static_range(BT // BC):
+        rows_i = start + I * BC + sub
+        valid_i = rows_i < end
+        m_i = valid_i[:, None] & (cols[None, :] < K)
+        qk_off_i = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :]
+        k_i = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+        q_i = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+        k_norm = _inv_norm(k_i, L2)  # [BC]: 1 / ||k_i|| with l2norm in kernel, else 1
+        q_norm = _inv_norm(q_i, L2)
+        k_i = k_i * k_norm[:, None]
+        q_i = q_i * q_norm[:, None]
+        g_off_i = rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
+        anchor = tl.load(G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K + cols,
+                         mask=(cols < K) & (start + I * BC + 0 * cols < end), other=0.0)
+        g_i = tl.load(G + g_off_i, mask=m_i, other=0.0)
+        g_i = tl.where(m_i, g_i, anchor[None, :])  # rows past the end: exp(0) times a zero key
+        b_i = _beta(tl.load(beta + rows_i.to(tl.int64) * HV + i_hv, mask=valid_i, other=0.0).to(tl.float32),
+                    SIGMOID, TWO)
+        b_i = tl.where(valid_i, b_i, 0.0)
+        k_i_late = k_i * tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
+        q_i_late = q_i * tl.exp(g_i - anchor[None, :])
+        out_rows = (I * BC + sub)[:, None] * BT
+        for J in tl.static_range(BT // BC):
+            out_off = a_base + out_rows + (J * BC + sub)[None, :]
+            if J < I:
+                rows_j = start + J * BC + sub  # all before the anchor, all inside the sequence
+                m_j = (cols[None, :] < K) & (rows_j[:, None] < end)
+                k_j = _rows_l2(tl.load(k + rows_j[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :],
+                                       mask=m_j, other=0.0).to(tl.float32), L2)
+                g_j = tl.load(G + rows_j[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :],
+                              mask=m_j, other=0.0)
+                k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
+                kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION) * b_i[:, None]
+                qk = tl.dot(q_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
+                tl.store(A_kk + out_off, kk)
+                tl.store(A_qk + out_off, qk)
+            elif J == I:
+                kk = tl.zeros([BC, BC], dtype=tl.float32)
+                qk = tl.zeros([BC, BC], dtype=tl.float32)
+                causal = sub[:, None] >= sub[None, :]
+                strict = sub[:, None] > sub[None, :]
+                for c0 in tl.static_range(0, BK, BKC):
+                    cs = c0 + tl.arange(0, BKC)
+                    m_c = valid_i[:, None] & (cs[None, :] < K)
+                    g_c = tl.load(G + rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :],
+                                  mask=m_c, other=0.0)
+                    kq_off = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
+                    k_c = tl.load(k + kq_off, mask=m_c, other=0.0).to(tl.float32)
+                    q_c = tl.load(q + kq_off, mask=m_c, other=0.0).to(tl.float32)
+                    diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
+                    decay = tl.exp(tl.where(causal[:, :, None], diff, float("-inf")))
+                    kj = k_c[None, :, :] * decay
+                    qk += tl.sum(q_c[:, None, :] * kj, axis=2)
+                    kk += tl.sum(tl.where(strict[:, :, None], k_c[:, None, :] * kj, 0.0), axis=2)
+                # The slices were raw: apply the norms of the whole head dimension to the sums.
+                kk = kk * k_norm[:, None] * k_norm[None, :]
+                qk = qk * q_norm[:, None] * k_norm[None, :]
+                tl.store(A_kk + out_off, kk * b_i[:, None])
+                tl.store(A_qk + out_off, qk)
+            else:
+                zero = tl.zeros([BC, BC], dtype=tl.float32)
+                tl.store(A_kk + out_off, zero)
+                tl.store(A_qk + out_off, zero)
+    tl.debug_barrier()
+
+    # ---- T = (I + A_kk)^-1 by forward substitution ------------------------------------------------
+    r = tl.arange(0, BT)
+    a_kk = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])
+    t_inv = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in range(1, BT):
+        a_row = tl.sum(tl.where(r[:, None] == i, a_kk, 0.0), axis=0)  # A_kk[i, :], zero from column i on
+        new_row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * t_inv, axis=0)
+        t_inv = tl.where(r[:, None] == i, new_row[None, :], t_inv)
+
+    # ---- w = T (beta k exp(G)),  u = T (beta v) ----------------------------------------------------
+    rows = start + r
+    valid = rows < end
+    m_k = valid[:, None] & (cols[None, :] < K)
+    k_all = _rows_l2(tl.load(k + rows[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :], mask=m_k,
+                             other=0.0).to(tl.float32), L2)
+    g_all = tl.load(G + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :], mask=m_k, other=0.0)
+    b_all = _beta(tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32),
+                  SIGMOID, TWO)
+    b_all = tl.where(valid, b_all, 0.0)
+    w_in = k_all * tl.exp(g_all) * b_all[:, None]  # exp(G) <= 1
+    w_out = tl.dot(t_inv, w_in, input_precision=DOT_PRECISION)
+    tl.store(w + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :], w_out, mask=m_k)
+    vcols = tl.arange(0, BV)
+    m_v = valid[:, None] & (vcols[None, :] < V)
+    v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+    v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
+    tl.store(u + v_off, tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), mask=m_v)

@@ -8,8 +8,15 @@ import secrets
 import pytest
 import torch
 
-import kda
-from kda import dispatch, registry
+# Triton decides when it is imported whether its own library runs compiled or in its CPU interpreter, so
+# on a machine without a GPU the interpreter is switched on here, before anything imports Triton. Each
+# test then sees it off (the triton backend unavailable, as on any CPU) unless it asks for it through
+# the `interpreter` fixture of tests/test_triton_backend.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kda  # noqa: E402
+from kda import dispatch, registry  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -17,6 +24,7 @@ def isolated_kda(tmp_path, monkeypatch):
     """Each test gets its own KDA_CACHE_DIR, lazy verification, and a registry with only the built-ins."""
     monkeypatch.setenv("KDA_CACHE_DIR", str(tmp_path / "kda-cache"))
     monkeypatch.setenv("KDA_VERIFY", "lazy")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     registry._reset_for_tests()
     dispatch.clear_cache()
     yield

@@ -81,68 +81,15 @@ def intra_chunk_kernel(
 
     # ---- the A_kk and A_qk blocks, 16 rows at a time --------------------------------------------
     for I in tl.static_range(BT // BC):
-        rows_i = start + I * BC + sub
-        valid_i = rows_i < end
-        m_i = valid_i[:, None] & (cols[None, :] < K)
-        qk_off_i = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :]
-        k_i = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
-        q_i = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
-        k_norm = _inv_norm(k_i, L2)  # [BC]: 1 / ||k_i|| with l2norm in kernel, else 1
-        q_norm = _inv_norm(q_i, L2)
-        k_i = k_i * k_norm[:, None]
-        q_i = q_i * q_norm[:, None]
-        g_off_i = rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
-        anchor = tl.load(G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K + cols,
-                         mask=(cols < K) & (start + I * BC + 0 * cols < end), other=0.0)
-        g_i = tl.load(G + g_off_i, mask=m_i, other=0.0)
-        g_i = tl.where(m_i, g_i, anchor[None, :])  # rows past the end: exp(0) times a zero key
-        b_i = _beta(tl.load(beta + rows_i.to(tl.int64) * HV + i_hv, mask=valid_i, other=0.0).to(tl.float32),
-                    SIGMOID, TWO)
-        b_i = tl.where(valid_i, b_i, 0.0)
-        k_i_late = k_i * tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
-        q_i_late = q_i * tl.exp(g_i - anchor[None, :])
         out_rows = (I * BC + sub)[:, None] * BT
-        for J in tl.static_range(BT // BC):
-            out_off = a_base + out_rows + (J * BC + sub)[None, :]
-            if J < I:
-                rows_j = start + J * BC + sub  # all before the anchor, all inside the sequence
-                m_j = (cols[None, :] < K) & (rows_j[:, None] < end)
-                k_j = _rows_l2(tl.load(k + rows_j[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :],
-                                       mask=m_j, other=0.0).to(tl.float32), L2)
-                g_j = tl.load(G + rows_j[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :],
-                              mask=m_j, other=0.0)
-                k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
-                kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION) * b_i[:, None]
-                qk = tl.dot(q_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
-                tl.store(A_kk + out_off, kk)
-                tl.store(A_qk + out_off, qk)
-            elif J == I:
-                kk = tl.zeros([BC, BC], dtype=tl.float32)
-                qk = tl.zeros([BC, BC], dtype=tl.float32)
-                causal = sub[:, None] >= sub[None, :]
-                strict = sub[:, None] > sub[None, :]
-                for c0 in tl.static_range(0, BK, BKC):
-                    cs = c0 + tl.arange(0, BKC)
-                    m_c = valid_i[:, None] & (cs[None, :] < K)
-                    g_c = tl.load(G + rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :],
-                                  mask=m_c, other=0.0)
-                    kq_off = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
-                    k_c = tl.load(k + kq_off, mask=m_c, other=0.0).to(tl.float32)
-                    q_c = tl.load(q + kq_off, mask=m_c, other=0.0).to(tl.float32)
-                    diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
-                    decay = tl.exp(tl.where(causal[:, :, None], diff, float("-inf")))
-                    kj = k_c[None, :, :] * decay
-                    qk += tl.sum(q_c[:, None, :] * kj, axis=2)
-                    kk += tl.sum(tl.where(strict[:, :, None], k_c[:, None, :] * kj, 0.0), axis=2)
-                # The slices were raw: apply the norms of the whole head dimension to the sums.
-                kk = kk * k_norm[:, None] * k_norm[None, :]
-                qk = qk * q_norm[:, None] * k_norm[None, :]
-                tl.store(A_kk + out_off, kk * b_i[:, None])
-                tl.store(A_qk + out_off, qk)
-            else:
-                zero = tl.zeros([BC, BC], dtype=tl.float32)
-                tl.store(A_kk + out_off, zero)
-                tl.store(A_qk + out_off, zero)
+        if start + I * BC < end:
+            _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_h, i_hv, I,
+                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, DOT_PRECISION)
+        else:  # the sub-chunk lies past the sequence's end: zero rows
+            zero = tl.zeros([BC, BC], dtype=tl.float32)
+            for J in tl.static_range(BT // BC):
+                tl.store(A_kk + a_base + out_rows + (J * BC + sub)[None, :], zero)
+                tl.store(A_qk + a_base + out_rows + (J * BC + sub)[None, :], zero)
     tl.debug_barrier()
 
     # ---- T = (I + A_kk)^-1 by forward substitution ------------------------------------------------
@@ -172,3 +119,74 @@ def intra_chunk_kernel(
     v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
     v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
     tl.store(u + v_off, tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), mask=m_v)
+
+
+@triton.jit
+def _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_h, i_hv, I: tl.constexpr,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
+                     SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     BKC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Rows ``I*16 .. I*16+15`` of A_kk and A_qk (the first of them inside the sequence)."""
+    cols = tl.arange(0, BK)
+    sub = tl.arange(0, BC)
+    rows_i = start + I * BC + sub
+    valid_i = rows_i < end
+    m_i = valid_i[:, None] & (cols[None, :] < K)
+    qk_off_i = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :]
+    k_i = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+    q_i = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+    k_norm = _inv_norm(k_i, L2)  # [BC]: 1 / ||k_i|| with l2norm in kernel, else 1
+    q_norm = _inv_norm(q_i, L2)
+    k_i = k_i * k_norm[:, None]
+    q_i = q_i * q_norm[:, None]
+    g_off_i = rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
+    anchor = tl.load(G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K + cols, mask=cols < K, other=0.0)
+    g_i = tl.load(G + g_off_i, mask=m_i, other=0.0)
+    g_i = tl.where(m_i, g_i, anchor[None, :])  # rows past the end: exp(0) times a zero key
+    b_i = _beta(tl.load(beta + rows_i.to(tl.int64) * HV + i_hv, mask=valid_i, other=0.0).to(tl.float32),
+                SIGMOID, TWO)
+    b_i = tl.where(valid_i, b_i, 0.0)
+    k_i_late = k_i * tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
+    q_i_late = q_i * tl.exp(g_i - anchor[None, :])
+    for J in tl.static_range(BT // BC):
+        out_off = a_base + out_rows + (J * BC + sub)[None, :]
+        if J < I:
+            rows_j = start + J * BC + sub  # all before the anchor, all inside the sequence
+            m_j = (cols[None, :] < K) & (rows_j[:, None] < end)
+            k_j = _rows_l2(tl.load(k + rows_j[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :],
+                                   mask=m_j, other=0.0).to(tl.float32), L2)
+            g_j = tl.load(G + rows_j[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :],
+                          mask=m_j, other=0.0)
+            k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
+            kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION) * b_i[:, None]
+            qk = tl.dot(q_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
+            tl.store(A_kk + out_off, kk)
+            tl.store(A_qk + out_off, qk)
+        elif J == I:
+            kk = tl.zeros([BC, BC], dtype=tl.float32)
+            qk = tl.zeros([BC, BC], dtype=tl.float32)
+            causal = sub[:, None] >= sub[None, :]
+            strict = sub[:, None] > sub[None, :]
+            for c0 in tl.static_range(0, BK, BKC):
+                cs = c0 + tl.arange(0, BKC)
+                m_c = valid_i[:, None] & (cs[None, :] < K)
+                g_c = tl.load(G + rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :],
+                              mask=m_c, other=0.0)
+                kq_off = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
+                k_c = tl.load(k + kq_off, mask=m_c, other=0.0).to(tl.float32)
+                q_c = tl.load(q + kq_off, mask=m_c, other=0.0).to(tl.float32)
+                diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
+                keep = causal & valid_i[:, None]  # rows past the end hold no score (and no overflow)
+                decay = tl.exp(tl.where(keep[:, :, None], diff, float("-inf")))
+                kj = k_c[None, :, :] * decay
+                qk += tl.sum(q_c[:, None, :] * kj, axis=2)
+                kk += tl.sum(tl.where(strict[:, :, None], k_c[:, None, :] * kj, 0.0), axis=2)
+            # The slices were raw: apply the norms of the whole head dimension to the sums.
+            kk = kk * k_norm[:, None] * k_norm[None, :]
+            qk = qk * q_norm[:, None] * k_norm[None, :]
+            tl.store(A_kk + out_off, kk * b_i[:, None])
+            tl.store(A_qk + out_off, qk)
+        else:
+            zero = tl.zeros([BC, BC], dtype=tl.float32)
+            tl.store(A_kk + out_off, zero)
+            tl.store(A_qk + out_off, zero)

@@ -11,6 +11,8 @@
 #           start, under that load) is recorded. Timings from this phase are discarded.
 #   bench   python -m kda.bench --tune in ONE process on the idle GPU: every shape and mode, FLA reading
 #           the autotune results the warm phase left (set BENCH_MODES / BENCH_SHAPES to narrow it)
+#   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
+#           (8 processes), then its forward rows beside FLA's in one process
 #
 # Lessons of 2026-11-29: the call is killed at 600 s with everything unsaved, and at most 8 files come
 # back. So every step runs under a deadline computed from one budget (DEADLINE_S, default 540 s), and
@@ -63,6 +65,14 @@ bench)
     --cold-start "${COLD:-first}" --out "$W/bench" > "$W/bench.txt" 2> "$W/bench.err"
   echo "bench rc=$?"; grep -E "auto:" "$W/bench.err" | head -40
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+triton)
+  timeout "$(left 200)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
+    --work-dir "$W/verify-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+  echo "verify triton rc=$?"; tail -4 "$W/verify-triton.txt"
+  timeout "$(left 30)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
+    --mode fwd --cold-start first --out "$W/bench-triton" > "$W/bench-triton.txt" 2> "$W/bench-triton.err"
+  echo "bench triton rc=$?"; grep -E "triton:" "$W/bench-triton.err" | head -20
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -2,10 +2,11 @@
 
 Stages, one module and one launch each (the math is in each module's docstring):
 
-1. `gate`  : the gate activation (pre-gated, softplus or safe) fused with the in-chunk cumulative sum;
-2. `intra` : per chunk, the causal scores ``A_kk`` / ``A_qk`` exponentiated against a local anchor, the
-             WY transform ``T = (I + A_kk)^-1`` and ``w, u``;
-3. `state` : the serial pass over chunks, fused with the output.
+1. `gate`   : the gate activation (pre-gated, softplus or safe) fused with the in-chunk cumulative sum;
+2. `intra`  : per chunk, the causal scores ``A_kk`` / ``A_qk`` exponentiated against a local anchor,
+              the WY transform ``T = (I + A_kk)^-1`` and ``w, u``;
+3. `state`  : the serial pass over chunks: each chunk's entering state ``h`` and its deltas ``v_new``;
+4. `output` : ``o`` from ``h``, ``v_new`` and ``A_qk``, in parallel over chunks.
 
 It covers the whole contract (gate modes, l2norm and beta sigmoid in kernel, ``allow_neg_eigval``,
 varlen, GVA, both state layouts, chunk 32 and 64, K and V up to 256, any T, bf16/fp16/fp32). Launch
@@ -39,7 +40,7 @@ class TritonBackend(Backend):
     priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
     trains = False
     writes_into_outputs = True
-    description = "kda's own chunked Triton kernels (3 launches); forward only; CPU through TRITON_INTERPRET=1"
+    description = "kda's own chunked Triton kernels (4 launches); forward only; CPU through TRITON_INTERPRET=1"
 
     def available(self) -> Verdict:
         try:

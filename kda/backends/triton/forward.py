@@ -1,9 +1,9 @@
-"""The forward pass: three launches, one per stage (see `gate`, `intra`, `state`).
+"""The forward pass: four launches, one per stage (see `gate`, `intra`, `state`, `output`).
 
 Shapes on the flattened token axis (``tokens = B*T``, or ``T`` with varlen): q, k ``[tokens, H, K]``,
 v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
-Intermediates (fp32): ``G [tokens, HV, K]``, ``w [tokens, HV, K]``, ``u [tokens, HV, V]``,
-``A_kk, A_qk [NT, HV, C, C]``.
+Intermediates (fp32): ``G [tokens, HV, K]``, ``w [tokens, HV, K]``, ``u [tokens, HV, V]`` (then
+``v_new``, in place), ``A_kk, A_qk [NT, HV, C, C]``, ``h [NT, HV, K, V]`` (the state entering each chunk).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
 from kda.backends.triton.chunks import chunk_layout
 from kda.backends.triton.configs import launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kernel
-from kda.backends.triton.intra import intra_chunk_kernel
-from kda.backends.triton.state import state_output_kernel
+from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
+from kda.backends.triton.output import output_kernel
+from kda.backends.triton.state import state_pass_kernel
 from kda.errors import KDAInputError
 from kda.spec import GateMode, KDASpec, cu_seqlens_violation
 
@@ -80,16 +81,25 @@ def triton_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
         intra_chunk_kernel[(NT, HV)](
             q, k, v, beta, G, A_kk, A_qk, w, u, layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, SIGMOID=spec.use_beta_sigmoid_in_kernel,
-            TWO=spec.allow_neg_eigval, BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), DOT_PRECISION=precision,
+            TWO=spec.allow_neg_eigval, BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, DOT_PRECISION=precision,
             num_warps=config.intra_warps,
         )
+    h = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
     BV = min(config.state_block_v, BV_all)
-    state_output_kernel[(N, HV, triton.cdiv(V, BV))](
-        q, k, w, u, G, A_qk, o, h0 if h0 is not None else G, ht if ht is not None else G,
-        layout.bounds, layout.chunk_offsets, spec.scale,
+    state_pass_kernel[(N, HV, triton.cdiv(V, BV))](
+        k, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
+        layout.bounds, layout.chunk_offsets,
         H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision, num_warps=config.state_warps,
+        num_stages=config.state_stages,
     )
+    if NT > 0:
+        BVo = min(config.output_block_v, BV_all)
+        output_kernel[(NT, HV, triton.cdiv(V, BVo))](
+            q, G, h, u, A_qk, o, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
+            H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision,
+            num_warps=config.output_warps,
+        )
     if out is not None and o is not out.o:
         out.o.copy_(o)
         o = out.o

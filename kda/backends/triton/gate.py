@@ -16,7 +16,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-PREGATED, SOFTPLUS, SAFE = 0, 1, 2
+PREGATED, SOFTPLUS, SAFE = 0, 1, 2  # values of GATE (host side)
+_PREGATED = tl.constexpr(PREGATED)  # the same, readable inside kernels
+_SOFTPLUS = tl.constexpr(SOFTPLUS)
 
 
 @triton.jit
@@ -44,14 +46,14 @@ def gate_cumsum_kernel(
     mask = (rows[:, None] < end) & (cols[None, :] < K)
     offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     x = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
-    if GATE != PREGATED:
+    if GATE != _PREGATED:
         if HAS_DT_BIAS:
             x += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]
         if HAS_A_LOG:
             a = tl.exp(tl.load(A_log + i_hv))
         else:
             a = 1.0
-        if GATE == SOFTPLUS:
+        if GATE == _SOFTPLUS:
             # softplus(x) = log(1 + e^x), computed without overflow for large x
             x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         else:

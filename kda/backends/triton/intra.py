@@ -31,22 +31,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BC = 16  # sub-chunk rows: the smallest tile tl.dot takes
-L2_EPS = 1e-6
+SUB_CHUNK = 16  # rows per sub-chunk (the kernels' BC): the smallest tile tl.dot takes
 
 
 @triton.jit
 def _inv_norm(x, L2: tl.constexpr):
     """Per row of ``x [rows, K]``: ``1 / sqrt(sum x^2 + eps)`` with l2norm in kernel, else 1."""
     if L2:
-        return tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)
+        return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)  # eps as kda.reference.l2norm
     return tl.full([x.shape[0]], 1.0, tl.float32)
 
 
 @triton.jit
 def _rows_l2(x, L2: tl.constexpr):
     if L2:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)[:, None]
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]  # eps as kda.reference.l2norm
     return x
 
 
@@ -68,7 +67,7 @@ def intra_chunk_kernel(
     chunk_starts, chunk_seq_ends,  # [NT] int32
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -84,7 +83,7 @@ def intra_chunk_kernel(
         out_rows = (I * BC + sub)[:, None] * BT
         if start + I * BC < end:
             _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_h, i_hv, I,
-                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, DOT_PRECISION)
+                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION)
         else:  # the sub-chunk lies past the sequence's end: zero rows
             zero = tl.zeros([BC, BC], dtype=tl.float32)
             for J in tl.static_range(BT // BC):
@@ -125,7 +124,7 @@ def intra_chunk_kernel(
 def _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_h, i_hv, I: tl.constexpr,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
                      SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BKC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Rows ``I*16 .. I*16+15`` of A_kk and A_qk (the first of them inside the sequence)."""
     cols = tl.arange(0, BK)
     sub = tl.arange(0, BC)

@@ -1,0 +1,88 @@
+"""Compile the kernels for a GPU architecture without a GPU, and report what each needs.
+
+    python -m kda.backends.triton.aot            # sm90, the shipped configurations, a few head dims
+
+Triton's compiler (through ptxas) runs on any machine; what it cannot check without the GPU is speed.
+What it does check: that every kernel compiles for the target at the configurations `configs` ships, and
+how much shared memory each needs, against the per-block limit (227 KB on Hopper). The tests run this
+in a fresh process (Triton must not be in interpreter mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SHARED_LIMIT = {9: 232448, 8: 166912}  # bytes per block: sm90, sm80
+
+
+def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, int]:
+    """Shared memory (bytes) of each kernel compiled for ``sm{capability}0`` at these sizes."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compiling needs Triton out of interpreter mode: unset TRITON_INTERPRET")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kda.backends.triton.configs import launch_config
+    from kda.backends.triton.gate import SAFE, gate_cumsum_kernel
+    from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
+    from kda.backends.triton.output import output_kernel
+    from kda.backends.triton.state import state_pass_kernel
+
+    target = GPUTarget("cuda", capability * 10, 32)
+    config = launch_config(capability, K, V)
+    BK, BV_all = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    f32, bf16, i32 = "*fp32", "*bf16", "*i32"
+    heads = {"H": 4, "HV": 8, "K": K, "V": V}
+
+    def shared(fn, signature, constants, warps, stages=3) -> int:
+        source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constants}},
+                           constexprs=constants)
+        return compile(source, target=target, options={"num_warps": warps, "num_stages": stages}).metadata.shared
+
+    return {
+        "gate": shared(gate_cumsum_kernel,
+                       {"g": bf16, "A_log": f32, "dt_bias": f32, "G": f32, "chunk_starts": i32,
+                        "chunk_seq_ends": i32, "lower_bound": "fp32"},
+                       {"HV": 8, "K": K, "GATE": SAFE, "HAS_A_LOG": True, "HAS_DT_BIAS": True, "BT": C, "BK": BK}, 4),
+        "intra": shared(intra_chunk_kernel,
+                        {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "A_kk": f32, "A_qk": f32,
+                         "w": f32, "u": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
+                        {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all,
+                         "BKC": min(BK, 32), "BC": SUB_CHUNK, "DOT_PRECISION": "tf32"}, config.intra_warps),
+        "state": shared(state_pass_kernel,
+                        {"k": bf16, "w": f32, "u": f32, "G": f32, "h": f32, "h0": f32, "ht": f32, "bounds": i32,
+                         "chunk_offsets": i32},
+                        {**heads, "L2": True, "HAS_H0": True, "STORE_HT": True, "V_FIRST": False, "BT": C,
+                         "BK": BK, "BV": min(config.state_block_v, BV_all), "DOT_PRECISION": "tf32"},
+                        config.state_warps, config.state_stages),
+        "output": shared(output_kernel,
+                         {"q": bf16, "G": f32, "h": f32, "v_new": f32, "A_qk": f32, "o": bf16, "chunk_starts": i32,
+                          "chunk_seq_ends": i32, "scale": "fp32"},
+                         {**heads, "L2": True, "BT": C, "BK": BK, "BV": min(config.output_block_v, BV_all),
+                          "DOT_PRECISION": "tf32"}, config.output_warps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kda.backends.triton.aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capability", type=int, default=9, help="major compute capability (9: Hopper)")
+    parser.add_argument("--dims", default="64x32,128x64,256x64", help="KxC list (K = V), comma-separated")
+    args = parser.parse_args(argv)
+    limit = SHARED_LIMIT.get(args.capability, SHARED_LIMIT[8])
+    report = {}
+    over = []
+    for item in args.dims.split(","):
+        K, C = (int(x) for x in item.split("x"))
+        needs = kernel_requirements(args.capability, K, K, C)
+        report[f"K{K}_C{C}"] = needs
+        over += [f"{name} at K={K}, C={C}: {size} B > {limit} B" for name, size in needs.items() if size > limit]
+    print(json.dumps({"capability": args.capability, "shared_limit": limit, "shared_bytes": report, "over": over}))
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

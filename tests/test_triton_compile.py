@@ -1,0 +1,31 @@
+"""The triton backend's kernels compile for Hopper (sm90) at the shipped configurations, and fit its
+shared memory, checked on a CPU with Triton's real compiler (in a fresh process: the other tests keep
+Triton in interpreter mode). What this cannot check without the GPU is speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is not installed (extra `triton`)")
+
+
+def test_kernels_compile_for_sm90_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "kda.backends.triton.aot", "--capability", "9",
+                           "--dims", "64x32,128x64,256x64"], capture_output=True, text=True, env=env, timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines and ("ptxas" in done.stderr or "No such file" in done.stderr):
+        pytest.skip(f"Triton cannot compile for CUDA here: {done.stderr.strip().splitlines()[-1]}")
+    assert lines, done.stderr[-2000:]
+    report = json.loads(lines[-1])
+    assert report["over"] == [], report
+    assert done.returncode == 0
+    for dims, needs in report["shared_bytes"].items():
+        assert set(needs) == {"gate", "intra", "state", "output"}, dims

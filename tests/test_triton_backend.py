@@ -122,6 +122,11 @@ def test_availability_follows_the_interpreter_switch(monkeypatch, interpreter):
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in str(backend.available())
     assert "TRITON_INTERPRET=1" in str(backend.supports(spec))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: opt-in only, for now
+    monkeypatch.delenv("KDA_TRITON_EXPERIMENTAL", raising=False)
+    assert "KDA_TRITON_EXPERIMENTAL=1" in str(backend.available()) and not backend.available()
+    monkeypatch.setenv("KDA_TRITON_EXPERIMENTAL", "1")
+    assert backend.available()
 
 
 def test_chunk_layout_covers_every_token_once():

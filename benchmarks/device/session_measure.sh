@@ -67,6 +67,7 @@ bench)
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 triton)
+  export KDA_TRITON_EXPERIMENTAL=1  # the backend's first run on a GPU
   timeout "$(left 200)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
     --work-dir "$W/verify-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
   echo "verify triton rc=$?"; tail -4 "$W/verify-triton.txt"

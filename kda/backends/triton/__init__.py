@@ -14,9 +14,14 @@ configurations are shipped per architecture (`configs`); nothing is tuned at cal
 
 With ``TRITON_INTERPRET=1`` the backend accepts CPU tensors and runs in Triton's interpreter: slow, but
 it is how CI checks the kernels and how a user without a GPU can step through them.
+
+On CUDA it is opt-in (``KDA_TRITON_EXPERIMENTAL=1``) until its kernels have run on a GPU: verification
+catches wrong numbers, but a kernel that faults would take the caller's CUDA context down with it.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,6 +29,7 @@ from kda.backends.base import Backend, ForwardResult, KDAInputs, KDAOutputs, Ver
 from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
+OPT_IN = "KDA_TRITON_EXPERIMENTAL"  # on CUDA, off until the kernels have been verified on a GPU
 
 
 def _interpreting() -> bool:
@@ -53,7 +59,11 @@ class TritonBackend(Backend):
             return Verdict.yes("TRITON_INTERPRET=1: runs on CPU tensors in Triton's interpreter")
         if not torch.cuda.is_available():
             return Verdict.no("needs a CUDA GPU (or TRITON_INTERPRET=1 to run CPU tensors in the interpreter)")
-        return Verdict.yes()
+        if os.environ.get(OPT_IN, "0") != "1":
+            # Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA
+            # context down with it; until these kernels have run on a GPU, nobody runs them unasked.
+            return Verdict.no(f"not yet run on a GPU; opt in with {OPT_IN}=1 (it is still verified before use)")
+        return Verdict.yes(f"{OPT_IN}=1")
 
     def fingerprint_extras(self) -> dict[str, str]:
         return {"interpreter": "on" if _interpreting() else "off"}

@@ -9,6 +9,7 @@ Intermediates (fp32): ``G [tokens, HV, K]``, ``w [tokens, HV, K]``, ``u [tokens,
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -44,6 +45,17 @@ def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
 
 
 def triton_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
+    stages, finish = plan_forward(inputs, spec, out)
+    for _, launch in stages:
+        launch()
+    return finish()
+
+
+def plan_forward(
+    inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None
+) -> tuple[list[tuple[str, Callable[[], None]]], Callable[[], ForwardResult]]:
+    """The forward as named launches, in order, and the function that collects the result afterwards
+    (separate so that `benchmarks/triton_stages.py` can time each stage on its own)."""
     device = spec.device
     B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
     tokens = B * T
@@ -60,9 +72,10 @@ def triton_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     f32 = torch.float32
     G = torch.empty(tokens, HV, K, dtype=f32, device=device)
     w = torch.empty(tokens, HV, K, dtype=f32, device=device)
-    u = torch.empty(tokens, HV, V, dtype=f32, device=device)
+    u = torch.empty(tokens, HV, V, dtype=f32, device=device)  # u, then v_new (stage 3 writes over it)
     A_kk = torch.empty(max(NT, 1), HV, C, C, dtype=f32, device=device)
     A_qk = torch.empty_like(A_kk)
+    h = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
     o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=spec.dtype,
                                                                              device=device)
     ht = None
@@ -70,40 +83,56 @@ def triton_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
         reuse = out is not None and out.final_state is not None and out.final_state.is_contiguous()
         ht = out.final_state if reuse else torch.empty(spec.state_shape, dtype=f32, device=device)
     h0 = None if inputs.initial_state is None else inputs.initial_state.contiguous()
+    gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SAFE: SAFE}[spec.gate_mode]
+    BV = min(config.state_block_v, BV_all)
+    BVo = min(config.output_block_v, BV_all)
+    L2 = spec.use_qk_l2norm_in_kernel
 
-    if NT > 0:
-        gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SAFE: SAFE}[spec.gate_mode]
+    def gate_stage() -> None:
         gate_cumsum_kernel[(NT, HV)](
             g, A_log if A_log is not None else G, dt_bias if dt_bias is not None else G, G,
             layout.chunk_starts, layout.chunk_seq_ends, float(spec.lower_bound or 0.0),
             HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BK,
         )
+
+    def intra_stage() -> None:
         intra_chunk_kernel[(NT, HV)](
             q, k, v, beta, G, A_kk, A_qk, w, u, layout.chunk_starts, layout.chunk_seq_ends,
-            H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, SIGMOID=spec.use_beta_sigmoid_in_kernel,
-            TWO=spec.allow_neg_eigval, BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, DOT_PRECISION=precision,
+            H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
+            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, DOT_PRECISION=precision,
             num_warps=config.intra_warps,
         )
-    h = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
-    BV = min(config.state_block_v, BV_all)
-    state_pass_kernel[(N, HV, triton.cdiv(V, BV))](
-        k, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
-        layout.bounds, layout.chunk_offsets,
-        H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision, num_warps=config.state_warps,
-        num_stages=config.state_stages,
-    )
-    if NT > 0:
-        BVo = min(config.output_block_v, BV_all)
+
+    def state_stage() -> None:
+        state_pass_kernel[(N, HV, triton.cdiv(V, BV))](
+            k, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
+            layout.bounds, layout.chunk_offsets,
+            H=H, HV=HV, K=K, V=V, L2=L2, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+            V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision,
+            num_warps=config.state_warps, num_stages=config.state_stages,
+        )
+
+    def output_stage() -> None:
         output_kernel[(NT, HV, triton.cdiv(V, BVo))](
             q, G, h, u, A_qk, o, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
-            H=H, HV=HV, K=K, V=V, L2=spec.use_qk_l2norm_in_kernel, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision,
+            H=H, HV=HV, K=K, V=V, L2=L2, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision,
             num_warps=config.output_warps,
         )
-    if out is not None and o is not out.o:
-        out.o.copy_(o)
-        o = out.o
-    if ht is not None and out is not None and out.final_state is not None and ht is not out.final_state:
-        out.final_state.copy_(ht)
-        ht = out.final_state
-    return ForwardResult(o, ht)
+
+    # With no chunk at all (every sequence empty) only the state pass runs: it hands h0 to ht.
+    stages = [("gate", gate_stage), ("intra", intra_stage)] if NT > 0 else []
+    stages.append(("state", state_stage))
+    if NT > 0:
+        stages.append(("output", output_stage))
+
+    def finish() -> ForwardResult:
+        result_o, result_ht = o, ht
+        if out is not None and result_o is not out.o:
+            out.o.copy_(result_o)
+            result_o = out.o
+        if result_ht is not None and out is not None and out.final_state is not None and result_ht is not out.final_state:
+            out.final_state.copy_(result_ht)
+            result_ht = out.final_state
+        return ForwardResult(result_o, result_ht)
+
+    return stages, finish

@@ -44,16 +44,19 @@ def _parser() -> argparse.ArgumentParser:
                         help="a kda backend, 'auto', 'baseline:fla' or 'baseline:flashkda' (repeatable; "
                              "default: every available backend, auto, and the baselines that are installed)")
     parser.add_argument("--shape", action="append", default=[], metavar="NAME",
-                        help="B{b}_T{t}_H{h}_D{d} or varlen_H{h}_D{d}_L{lengths} (repeatable; default: the 12 bench shapes)")
+                        help="B{b}_T{t}_H{h}_D{d} or varlen_H{h}_D{d}_L{lengths} "
+                             "(repeatable; default: the 12 bench shapes)")
     parser.add_argument("--mode", action="append", default=[], choices=sorted(MODES),
                         help="fwd, train_pregated or train_safe (repeatable; default: all three)")
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<gpu>/<date>")
     parser.add_argument("--cold-start", choices=("none", "first", "all"), default="first",
-                        help="time the first call in a fresh process: at the first shape (default), every shape, or never")
+                        help="time the first call in a fresh process: at the first shape (default), "
+                             "every shape, or never")
     parser.add_argument("--tune", action="store_true",
                         help="record the kda backends' timings in this GPU's timing table (used by auto)")
-    parser.add_argument("--jobs", type=int, default=1, help="processes to spread shapes over, one GPU each (round robin)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes to spread shapes over, one GPU each (round robin)")
     parser.add_argument("--warmup-ms", type=float, default=50)
     parser.add_argument("--rep-ms", type=float, default=300)
     parser.add_argument("--seed", type=int, default=0)

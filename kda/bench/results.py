@@ -145,7 +145,8 @@ def chart(data: dict[str, Any], path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as error:
-        return f"matplotlib unavailable ({type(error).__name__}); render later with `python -m kda.bench --chart results.json`"
+        return (f"matplotlib unavailable ({type(error).__name__}); "
+                "render later with `python -m kda.bench --chart results.json`")
     rows = [r for r in data["rows"] if r["pct_fla"] is not None and r["backend"] != "baseline:fla"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     if not modes:

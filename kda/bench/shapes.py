@@ -150,7 +150,8 @@ def case_class_keys(shapes: list[str], modes: list[str]) -> list[str]:
     keys: dict[str, None] = {}
     for name in shapes:
         shape = BenchShape.parse(name)
-        small = BenchShape(name, 1 if shape.varlen else min(shape.B, 2), 8, 1, shape.D, (4, 4) if shape.varlen else None)
+        small = BenchShape(name, 1 if shape.varlen else min(shape.B, 2), 8, 1, shape.D,
+                           (4, 4) if shape.varlen else None)
         for mode_name in modes:
             inputs = make_inputs(small, MODES[mode_name], "cpu", seed=0)
             spec = KDASpec.from_call(**inputs.kwargs, requires_grad=MODES[mode_name].training)

@@ -87,7 +87,8 @@ class FlashKDABackend(Backend):
         if spec.HV != spec.H:
             broken.append(f"no GVA: needs HV == H (got H={spec.H}, HV={spec.HV})")
         if spec.gate_mode is not GateMode.SAFE:
-            broken.append(f"needs the safe in-kernel gate (use_gate_in_kernel=True, safe_gate=True); got {spec.gate_mode.value}")
+            broken.append("needs the safe in-kernel gate (use_gate_in_kernel=True, safe_gate=True); "
+                          f"got {spec.gate_mode.value}")
         if not spec.use_qk_l2norm_in_kernel:
             broken.append("needs use_qk_l2norm_in_kernel=True (its l2norm is fused)")
         if not spec.use_beta_sigmoid_in_kernel:

@@ -130,8 +130,9 @@ def plan_forward(
         if out is not None and result_o is not out.o:
             out.o.copy_(result_o)
             result_o = out.o
-        if result_ht is not None and out is not None and out.final_state is not None and result_ht is not out.final_state:
-            out.final_state.copy_(result_ht)
+        given = None if out is None else out.final_state
+        if result_ht is not None and given is not None and result_ht is not given:
+            given.copy_(result_ht)
             result_ht = out.final_state
         return ForwardResult(result_o, result_ht)
 

@@ -201,3 +201,23 @@ def test_jobs_keep_compile_groups_together_and_balance_them():
                 assert not keys & {(BenchShape.parse(s).H, BenchShape.parse(s).D, BenchShape.parse(s).varlen)
                                    for s in other}
     assert cli.compile_groups(["B1_T8_H2_D8"], 3) == [["B1_T8_H2_D8"]]
+
+
+def test_rows_are_timed_in_rotated_rounds_and_report_the_median(seed, monkeypatch):
+    fake_measurements(monkeypatch, {})
+    answers = {"baseline:fla": iter([9.0, 3.0, 6.0]), "torch": iter([4.0, 8.0, 2.0])}
+    order: list[str] = []
+
+    def timer(fn, device, **kw):
+        order.append(fn.backend)
+        return next(answers[fn.backend])
+
+    monkeypatch.setattr(runner.timing, "median_ms", timer)
+    config = BenchConfig(["B1_T24_H2_D16"], ["fwd"], ["baseline:fla", "torch"], torch.device("cpu"),
+                         cold_start="none", rounds=3)
+    rows = runner.run(config, timer=runner.timing.median_ms, memory=runner.timing.peak_bytes,
+                      cold=runner.timing.cold_start)
+    assert order == ["baseline:fla", "torch", "torch", "baseline:fla", "baseline:fla", "torch"]
+    by = {r.backend: r for r in rows}
+    assert by["baseline:fla"].median_ms == 6.0 and by["torch"].median_ms == 4.0
+    assert by["torch"].pct_fla == 150.0

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="processes to spread shapes over, one GPU each (round robin)")
     parser.add_argument("--warmup-ms", type=float, default=50)
     parser.add_argument("--rep-ms", type=float, default=300)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="time every row this many times, in rotated orders, and report the median")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chart", type=Path, metavar="RESULTS_JSON",
                         help="only redraw results.md and pct_fla.png from an existing results.json")
@@ -119,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.mode or list(MODES)
     backends = args.backend or _default_backends()
     settings = {"shapes": shapes, "modes": modes, "backends": backends, "cold_start": args.cold_start,
-                "tune": args.tune, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "seed": args.seed,
+                "tune": args.tune, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "rounds": args.rounds,
+                "seed": args.seed,
                 "jobs": args.jobs, "KDA_VERIFY": os.environ.get("KDA_VERIFY", "lazy")}
     config = BenchConfig(shapes, modes, backends, device, cold_start=args.cold_start,
                          first_shape=args.first_shape or shapes[0], tune=args.tune, warmup_ms=args.warmup_ms,
-                         rep_ms=args.rep_ms, seed=args.seed)
+                         rep_ms=args.rep_ms, rounds=args.rounds, seed=args.seed)
 
     if args.worker:  # stream rows to the parent
         run(config, on_row=lambda row: print("ROW " + json.dumps(row.as_json()), flush=True))
@@ -230,6 +233,7 @@ def _run_jobs(args: argparse.Namespace, config: BenchConfig, progress: Progress,
     for i, share in enumerate(s for s in shares if s):
         command = [sys.executable, "-m", "kda.bench", "--worker", "--first-shape", config.shapes[0],
                    "--cold-start", args.cold_start, "--warmup-ms", str(args.warmup_ms), "--rep-ms", str(args.rep_ms),
+                   "--rounds", str(args.rounds),
                    "--seed", str(args.seed), "--device", "cuda" if gpus else str(config.device)]
         command += [f"--backend={b}" for b in config.backends] + [f"--mode={m}" for m in config.modes]
         command += [f"--shape={s}" for s in share] + (["--tune"] if args.tune else [])

@@ -11,14 +11,18 @@ Rows are of three kinds:
   the call, or does not support it, gets a row with the reason and no time.
 - ``auto``: `kda.chunk_kda(..., backend="auto")`, with the backend it chose.
 
-With ``tune``, the kda backends' medians at each shape are recorded in the timing table (`kda.timings`)
-before ``auto`` is timed, so the ``auto`` row shows the choice the table makes.
+Every row is timed in ``rounds`` rounds (3 by default), each round in a rotated order, and reports the
+median of its rounds, so that drift in clocks or temperature lands on all rows alike rather than on
+whichever was timed last. With ``tune``, a short first pass records the kda backends in the timing
+table (`kda.timings`) so that ``auto``'s choice is fixed before the rounds; the rounds' medians then
+replace those entries.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -66,6 +70,7 @@ class BenchConfig:
     tune: bool = False
     warmup_ms: float = 50
     rep_ms: float = 300
+    rounds: int = 3  # each row timed this many times, in rotated orders; its figure is the median
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -208,25 +213,35 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
                     row.cold_new_cache_files = found.get("new_cache_files")
 
     spec = KDASpec.from_call(**kwargs, requires_grad=mode.training)
-    for row in rows:
-        call = calls.get(row.backend)
-        if call is None:
-            continue
-        if row.kind == "auto":
-            if config.tune:
-                _record_timings(config, shape, mode, spec, rows)
-            served, _ = _serving_backend("auto", kwargs)  # the table may have changed the choice
-            row.chose = served
-        try:
-            row.median_ms = timer(call, device, warmup_ms=config.warmup_ms, rep_ms=config.rep_ms)
-            row.peak_bytes = memory(call, device)
-        except Exception as error:  # one failing backend must not end the run
-            row.status, row.reason = "error", f"{type(error).__name__}: {str(error)[:300]}"
-            row.median_ms = row.peak_bytes = None
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if config.tune and not any(r.kind == "auto" for r in rows):
+    timed = [row for row in rows if row.backend in calls]
+    auto = next((row for row in timed if row.kind == "auto"), None)
+    if config.tune and auto is not None:
+        # A short first pass fills the timing table, so that auto's choice is fixed before the rounds.
+        for row in timed:
+            if row.kind == "kda":
+                _measure_once(row, calls[row.backend], timer, device, config.warmup_ms, max(20.0, config.rep_ms / 5))
+        _record_timings(config, shape, mode, spec, rows)
+    if auto is not None:
+        auto.chose, _ = _serving_backend("auto", kwargs)  # the table may have changed the choice
+
+    # Rounds, each in a rotated order, so that clock and thermal drift fall on every row alike; the
+    # row's figure is the median of its rounds' medians.
+    samples: dict[str, list[float]] = {row.backend: [] for row in timed}
+    for round_index in range(max(1, config.rounds)):
+        shift = round_index % max(1, len(timed))
+        for row in timed[shift:] + timed[:shift]:
+            if row.status != "ok":
+                continue
+            if _measure_once(row, calls[row.backend], timer, device, config.warmup_ms, config.rep_ms):
+                samples[row.backend].append(row.median_ms)
+    for row in timed:
+        if row.status == "ok" and samples[row.backend]:
+            row.median_ms = statistics.median(samples[row.backend])
+            try:
+                row.peak_bytes = memory(calls[row.backend], device)
+            except Exception as error:
+                row.reason = f"peak memory not measured: {type(error).__name__}: {str(error)[:200]}"
+    if config.tune:
         _record_timings(config, shape, mode, spec, rows)
 
     fla = next((r.median_ms for r in rows if r.backend == "baseline:fla" and r.status == "ok"), None)
@@ -239,6 +254,20 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _measure_once(row: Row, call: Callable[[], Any], timer, device, warmup_ms: float, rep_ms: float) -> bool:
+    """One median into ``row.median_ms``; a failure marks the row (one failing backend never ends a run)."""
+    try:
+        row.median_ms = timer(call, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        return True
+    except Exception as error:
+        row.status, row.reason = "error", f"{type(error).__name__}: {str(error)[:300]}"
+        row.median_ms = row.peak_bytes = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return False
 
 
 def pct_fla(fla_ms: float | None, backend_ms: float | None) -> float | None:

@@ -10,6 +10,7 @@ prove the triton backend is the one that ran. On a machine without Triton these 
 from __future__ import annotations
 
 import importlib
+import os
 import itertools
 
 import pytest
@@ -140,3 +141,44 @@ def test_chunk_layout_covers_every_token_once():
     covered = sorted(itertools.chain.from_iterable(range(s, min(s + 32, e)) for s, e in
                                                    zip(starts, layout.chunk_seq_ends.tolist())))
     assert covered == list(range(135))
+
+
+# ------------------------------------------------------------------------------------ random calls
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def random_cases(draw) -> VerificationCase:
+    """Any combination of the contract's features, at small random sizes (K, V not powers of two,
+    sequence lengths around and across chunk boundaries, empty sequences)."""
+    chunk = draw(st.sampled_from([32, 64]))
+    varlen = draw(st.booleans())
+    gva = draw(st.booleans())
+    cc = case_class(
+        gate=draw(st.sampled_from(list(GateMode))), qk_l2norm=draw(st.booleans()),
+        beta=draw(st.sampled_from(["given", "sigmoid", "sigmoid2"])),
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])), varlen=varlen, gva=gva,
+        initial_state=draw(st.booleans()), final_state=draw(st.booleans()), state_v_first=draw(st.booleans()),
+        chunk_size=chunk,
+    )
+    lengths = st.integers(min_value=0, max_value=2 * chunk + 3)
+    seq_lens = tuple(draw(st.lists(lengths, min_size=1, max_size=3))) if varlen else (draw(lengths.filter(bool)),)
+    if sum(seq_lens) == 0:
+        seq_lens = seq_lens + (1,)
+    group = draw(st.sampled_from([2, 3])) if gva else 1
+    K, V = draw(st.integers(4, 40)), draw(st.integers(4, 40))
+    regime = draw(st.sampled_from(["realistic", "extreme"]))
+    B = 1 if varlen else draw(st.integers(1, 2))
+    if not varlen:
+        seq_lens = seq_lens * B
+    return VerificationCase(cc, regime, B, 1, group, K, V, seq_lens, cc.dtype, seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=int(os.environ.get("KDA_RANDOM_CASES", "25")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=random_cases())
+def test_random_calls_match_the_reference(interpreter, case):
+    result = run_case(interpreter, case, "cpu")
+    assert result.passed, (case.case_class.key, case.describe(), result.reason, result.errors)

@@ -1,10 +1,11 @@
 """The triton backend's kernels, run in Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
 
 Each test checks the kernels against the float64 reference through the verifier's own `run_case` (NaN
-poisoned output buffers, inputs checked for modification) on fresh random inputs: every gate mode with
+poisoned output buffers, inputs checked for modification, every gradient when training) on fresh random
+inputs: every gate mode with
 realistic and extreme gates, l2norm and beta variants, varlen with empty and one-token sequences, GVA,
-both state layouts, chunk 32 and 64, K != V, T not a multiple of the chunk, bf16/fp16/fp32. Route tests
-prove the triton backend is the one that ran. On a machine without Triton these tests skip.
+both state layouts, chunk 32 and 64, K != V, T not a multiple of the chunk, bf16/fp16/fp32, forward and
+backward. Route tests prove the triton backend is the one that ran. Without Triton these tests skip.
 """
 
 from __future__ import annotations
@@ -49,6 +50,27 @@ def case_class(**changes) -> CaseClass:
                 initial_state=True, final_state=True, state_v_first=False, chunk_size=32, head_dim=64,
                 training=False)
     return CaseClass(**{**base, **changes})
+
+
+TRAINING_VARIANTS = [
+    dict(),
+    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given", chunk_size=64),
+    dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True, state_v_first=True),
+    dict(dtype="bfloat16", varlen=True, initial_state=False),
+    dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
+]
+
+
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=lambda v: "-".join(
+    f"{k}={getattr(x, 'value', x)}" for k, x in v.items()) or "safe")
+@pytest.mark.parametrize("regime", ["realistic", "extreme"])
+def test_backward_gives_every_gradient(seed, interpreter, variant, regime):
+    cc = case_class(**variant, training=True)
+    result = run_case(interpreter, small_case(cc, regime, seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    expected = {"dq", "dk", "dv", "dg", "dbeta"} | ({"dA_log", "ddt_bias"} if cc.gate is not GateMode.PREGATED
+                                                     else set()) | ({"dinitial_state"} if cc.initial_state else set())
+    assert expected <= set(result.errors)
 
 
 def small_case(cc: CaseClass, regime: str, *, K: int = 16, V: int = 32, seed: int) -> VerificationCase:
@@ -107,8 +129,14 @@ def test_the_triton_backend_is_what_ran(seed, interpreter):
 
     training = {**call, "q": call["q"].clone().requires_grad_(True)}
     with kda.trace_routes() as routes:
-        kda.chunk_kda(**training)[0].sum().backward()
-    assert [r.backend for r in routes] == ["torch", "torch"]  # forward-only so far: training goes elsewhere
+        o_train, _ = kda.chunk_kda(**training, backend="triton")
+        (dq,) = torch.autograd.grad(o_train.sum(), [training["q"]])
+    assert [(r.backend, r.phase) for r in routes] == [("triton", "forward"), ("triton", "backward")]
+    q64 = call["q"].double().requires_grad_(True)
+    o64, _ = kda.kda_reference(**{**{n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in call.items()},
+                                  "q": q64})
+    (dq_ref,) = torch.autograd.grad(o64.sum(), [q64])
+    assert torch.allclose(dq.double(), dq_ref, atol=1e-5, rtol=1e-4)
 
 
 def test_availability_follows_the_interpreter_switch(monkeypatch, interpreter):
@@ -128,6 +156,11 @@ def test_availability_follows_the_interpreter_switch(monkeypatch, interpreter):
     assert "KDA_TRITON_EXPERIMENTAL=1" in str(backend.available()) and not backend.available()
     monkeypatch.setenv("KDA_TRITON_EXPERIMENTAL", "1")
     assert backend.available()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    on_gpu = spec.model_copy(update={"q": spec.q.model_copy(update={"device": "cuda:0"})})
+    assert backend.supports(on_gpu)
+    training = on_gpu.model_copy(update={"requires_grad": True})
+    assert not backend.supports(training) and "shared memory" in str(backend.supports(training))
 
 
 def test_chunk_layout_covers_every_token_once():
@@ -161,7 +194,7 @@ def random_cases(draw) -> VerificationCase:
         beta=draw(st.sampled_from(["given", "sigmoid", "sigmoid2"])),
         dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])), varlen=varlen, gva=gva,
         initial_state=draw(st.booleans()), final_state=draw(st.booleans()), state_v_first=draw(st.booleans()),
-        chunk_size=chunk,
+        chunk_size=chunk, training=draw(st.booleans()),
     )
     lengths = st.integers(min_value=0, max_value=2 * chunk + 3)
     seq_lens = tuple(draw(st.lists(lengths, min_size=1, max_size=3))) if varlen else (draw(lengths.filter(bool)),)

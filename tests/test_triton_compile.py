@@ -28,4 +28,4 @@ def test_kernels_compile_for_sm90_within_shared_memory():
     assert report["over"] == [], report
     assert done.returncode == 0
     for dims, needs in report["shared_bytes"].items():
-        assert set(needs) == {"gate", "intra", "state", "output"}, dims
+        assert set(needs) == {"gate", "intra", "state", "output", "bwd_state"}, dims

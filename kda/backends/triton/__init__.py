@@ -1,4 +1,4 @@
-"""The `triton` backend: kda's own chunked KDA kernels in Triton (forward; backward to come).
+"""The `triton` backend: kda's own chunked KDA kernels in Triton, forward and backward.
 
 Stages, one module and one launch each (the math is in each module's docstring):
 
@@ -15,6 +15,11 @@ configurations are shipped per architecture (`configs`); nothing is tuned at cal
 With ``TRITON_INTERPRET=1`` the backend accepts CPU tensors and runs in Triton's interpreter: slow, but
 it is how CI checks the kernels and how a user without a GPU can step through them.
 
+The backward (`backward`: a reverse serial pass, a per-chunk gradient kernel, and the elementwise
+tails through autograd of `kda.reference`'s transforms) gives every gradient and matches the float64
+reference in the interpreter; on CUDA it is not offered yet: its per-chunk kernel does not fit Hopper's
+shared memory at K = 128, C = 64 (see `supports`).
+
 On CUDA it is opt-in (``KDA_TRITON_EXPERIMENTAL=1``) until its kernels have run on a GPU: verification
 catches wrong numbers, but a kernel that faults would take the caller's CUDA context down with it.
 """
@@ -25,7 +30,7 @@ import os
 
 import torch
 
-from kda.backends.base import Backend, ForwardResult, KDAInputs, KDAOutputs, Verdict
+from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
 from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
@@ -39,14 +44,14 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(Backend):
-    """kda's own Triton kernels (forward only for now)."""
+    """kda's own Triton kernels (on CUDA: forward only for now)."""
 
     name = "triton"
     version = "0"
     priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
-    trains = False
+    trains = True
     writes_into_outputs = True
-    description = "kda's own chunked Triton kernels (4 launches); forward only; CPU through TRITON_INTERPRET=1"
+    description = "kda's own chunked Triton kernels; CUDA forward (opt-in), CPU forward+backward through TRITON_INTERPRET=1"
 
     def available(self) -> Verdict:
         try:
@@ -73,6 +78,11 @@ class TritonBackend(Backend):
         if spec.device.type == "cuda":
             if torch.cuda.get_device_capability(spec.device) < MIN_CAPABILITY:
                 broken.append("needs compute capability >= 8.0")
+            if spec.requires_grad:
+                # Compiled for sm90 on a CPU (kda.backends.triton.aot), the per-chunk backward kernel needs
+                # 262 KB of shared memory at K = 128, C = 64 (Hopper allows 227 KB) and 144 s to compile.
+                broken.append("training: the backward runs in the interpreter only for now (its per-chunk "
+                              "kernel does not fit sm90's shared memory; being rewritten with anchored blocks)")
         elif not (spec.device.type == "cpu" and _interpreting()):
             broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
         return Verdict.unless(broken)
@@ -81,3 +91,9 @@ class TritonBackend(Backend):
         from kda.backends.triton.forward import triton_forward
 
         return triton_forward(inputs, spec, out)
+
+    def backward(self, inputs: KDAInputs, spec: KDASpec, saved, do: torch.Tensor,
+                 dfinal_state: torch.Tensor | None) -> KDAGradients:
+        from kda.backends.triton.backward import triton_backward
+
+        return triton_backward(inputs, spec, saved, do, dfinal_state)

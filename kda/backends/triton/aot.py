@@ -26,6 +26,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    from kda.backends.triton.backward import bwd_state_kernel
     from kda.backends.triton.configs import launch_config
     from kda.backends.triton.gate import SAFE, gate_cumsum_kernel
     from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
@@ -50,9 +51,10 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
                        {"HV": 8, "K": K, "GATE": SAFE, "HAS_A_LOG": True, "HAS_DT_BIAS": True, "BT": C, "BK": BK}, 4),
         "intra": shared(intra_chunk_kernel,
                         {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "A_kk": f32, "A_qk": f32,
-                         "w": f32, "u": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
+                         "M_out": f32, "T_out": f32, "w": f32, "u": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
                         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all,
-                         "BKC": min(BK, 32), "BC": SUB_CHUNK, "DOT_PRECISION": "tf32"}, config.intra_warps),
+                         "BKC": min(BK, 32), "BC": SUB_CHUNK, "DOT_PRECISION": "tf32", "SAVE": False},
+                        config.intra_warps),
         "state": shared(state_pass_kernel,
                         {"k": bf16, "w": f32, "u": f32, "G": f32, "h": f32, "h0": f32, "ht": f32, "bounds": i32,
                          "chunk_offsets": i32},
@@ -64,6 +66,14 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
                           "chunk_seq_ends": i32, "scale": "fp32"},
                          {**heads, "L2": True, "BT": C, "BK": BK, "BV": min(config.output_block_v, BV_all),
                           "DOT_PRECISION": "tf32"}, config.output_warps),
+        # The backward's per-chunk kernel is left out on purpose: 262 KB at K = 128, C = 64, over the limit
+        # (the reason the backward is not offered on CUDA yet; see TritonBackend.supports).
+        "bwd_state": shared(bwd_state_kernel,
+                            {"q": bf16, "k": bf16, "G": f32, "w": f32, "A_qk": f32, "do": bf16, "dd": f32, "dh": f32,
+                             "dht": f32, "dh0": f32, "bounds": i32, "chunk_offsets": i32, "scale": "fp32"},
+                            {**heads, "L2": True, "HAS_DHT": True, "STORE_DH0": True, "V_FIRST": False, "BT": C,
+                             "BK": BK, "BV": min(config.state_block_v, BV_all), "DOT_PRECISION": "tf32"},
+                            config.state_warps, 1),
     }
 
 

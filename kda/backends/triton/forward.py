@@ -76,6 +76,9 @@ def plan_forward(
     A_kk = torch.empty(max(NT, 1), HV, C, C, dtype=f32, device=device)
     A_qk = torch.empty_like(A_kk)
     h = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
+    save = spec.requires_grad  # training keeps M (A_kk without beta) and T for the backward
+    M = torch.empty_like(A_kk) if save else None
+    Tm = torch.empty_like(A_kk) if save else None
     o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=spec.dtype,
                                                                              device=device)
     ht = None
@@ -97,9 +100,10 @@ def plan_forward(
 
     def intra_stage() -> None:
         intra_chunk_kernel[(NT, HV)](
-            q, k, v, beta, G, A_kk, A_qk, w, u, layout.chunk_starts, layout.chunk_seq_ends,
+            q, k, v, beta, G, A_kk, A_qk, M if save else G, Tm if save else G, w, u,
+            layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, DOT_PRECISION=precision,
+            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, DOT_PRECISION=precision, SAVE=save,
             num_warps=config.intra_warps,
         )
 
@@ -134,6 +138,10 @@ def plan_forward(
         if result_ht is not None and given is not None and result_ht is not given:
             given.copy_(result_ht)
             result_ht = out.final_state
-        return ForwardResult(result_o, result_ht)
+        saved = None
+        if save:
+            saved = {"G": G, "w": w, "v_new": u, "h": h, "A_qk": A_qk, "M": M, "T": Tm, "layout": layout,
+                     "config": config, "BK": BK, "BV_all": BV_all, "precision": precision}
+        return ForwardResult(result_o, result_ht, saved)
 
     return stages, finish

@@ -63,12 +63,13 @@ def intra_chunk_kernel(
     q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
     G,  # [tokens, HV, K] fp32 (stage 1)
     A_kk, A_qk,  # [NT, HV, BT, BT] fp32 scratch / out
+    M_out, T_out,  # [NT, HV, BT, BT] fp32 out for training: A_kk without beta, and T (or dummies)
     w, u,  # [tokens, HV, K], [tokens, HV, V] fp32 out
     chunk_starts, chunk_seq_ends,  # [NT] int32
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -82,13 +83,15 @@ def intra_chunk_kernel(
     for I in tl.static_range(BT // BC):
         out_rows = (I * BC + sub)[:, None] * BT
         if start + I * BC < end:
-            _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_h, i_hv, I,
-                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION)
+            _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
+                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE)
         else:  # the sub-chunk lies past the sequence's end: zero rows
             zero = tl.zeros([BC, BC], dtype=tl.float32)
             for J in tl.static_range(BT // BC):
                 tl.store(A_kk + a_base + out_rows + (J * BC + sub)[None, :], zero)
                 tl.store(A_qk + a_base + out_rows + (J * BC + sub)[None, :], zero)
+                if SAVE:
+                    tl.store(M_out + a_base + out_rows + (J * BC + sub)[None, :], zero)
     tl.debug_barrier()
 
     # ---- T = (I + A_kk)^-1 by forward substitution ------------------------------------------------
@@ -99,6 +102,8 @@ def intra_chunk_kernel(
         a_row = tl.sum(tl.where(r[:, None] == i, a_kk, 0.0), axis=0)  # A_kk[i, :], zero from column i on
         new_row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * t_inv, axis=0)
         t_inv = tl.where(r[:, None] == i, new_row[None, :], t_inv)
+    if SAVE:
+        tl.store(T_out + a_base + r[:, None] * BT + r[None, :], t_inv)
 
     # ---- w = T (beta k exp(G)),  u = T (beta v) ----------------------------------------------------
     rows = start + r
@@ -121,10 +126,10 @@ def intra_chunk_kernel(
 
 
 @triton.jit
-def _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_h, i_hv, I: tl.constexpr,
+def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I: tl.constexpr,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
                      SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr):
     """Rows ``I*16 .. I*16+15`` of A_kk and A_qk (the first of them inside the sequence)."""
     cols = tl.arange(0, BK)
     sub = tl.arange(0, BC)
@@ -157,9 +162,11 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_
             g_j = tl.load(G + rows_j[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :],
                           mask=m_j, other=0.0)
             k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
-            kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION) * b_i[:, None]
+            kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
             qk = tl.dot(q_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
-            tl.store(A_kk + out_off, kk)
+            if SAVE:
+                tl.store(M_out + out_off, kk)
+            tl.store(A_kk + out_off, kk * b_i[:, None])
             tl.store(A_qk + out_off, qk)
         elif J == I:
             kk = tl.zeros([BC, BC], dtype=tl.float32)
@@ -183,9 +190,13 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, a_base, out_rows, start, end, i_
             # The slices were raw: apply the norms of the whole head dimension to the sums.
             kk = kk * k_norm[:, None] * k_norm[None, :]
             qk = qk * q_norm[:, None] * k_norm[None, :]
+            if SAVE:
+                tl.store(M_out + out_off, kk)
             tl.store(A_kk + out_off, kk * b_i[:, None])
             tl.store(A_qk + out_off, qk)
         else:
             zero = tl.zeros([BC, BC], dtype=tl.float32)
             tl.store(A_kk + out_off, zero)
             tl.store(A_qk + out_off, zero)
+            if SAVE:
+                tl.store(M_out + out_off, zero)

@@ -1,0 +1,286 @@
+"""The backward pass (see `backward_math` for the formulas, checked against autograd in float64).
+
+Two launches and a tail:
+
+1. `bwd_state_kernel`, serial per (sequence, value head, V block), walking chunks in reverse:
+       dh[c] = dS;  dd = scale A_qk^T do + k~ dS;  dS <- e^(G_C) dS + scale q~^T do - w^T dd
+   (``k~ = k e^(G_C - G)``, ``q~ = q e^G``); the last ``dS`` is ``dh0``.
+2. `bwd_chunk_kernel`, per (chunk, value head): every per-token gradient of the chunk (q, k, v, beta and
+   the cumulative log decay G), the pairwise E-weighted terms element by element over K slices, then
+   the reverse in-chunk cumsum that turns dG into the gradient of the per-token log decay.
+3. The tail, in torch: the value heads of a GVA group summed into their q/k head, and the elementwise
+   transforms (l2norm, beta activation, gate) differentiated by autograd of their definitions in
+   `kda.reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kda.backends.triton.intra import _beta, _inv_norm
+
+
+@triton.jit
+def bwd_state_kernel(
+    q, k,  # [tokens, H, K]
+    G, w,  # [tokens, HV, K] fp32
+    A_qk,  # [NT, HV, BT, BT] fp32
+    do,  # [tokens, HV, V]
+    dd,  # [tokens, HV, V] fp32 out: gradient of v_new
+    dh,  # [NT, HV, K, V] fp32 out: gradient of the state leaving each chunk
+    dht, dh0,  # [N, HV, K, V] (or V-first) fp32, or dummies
+    bounds, chunk_offsets,
+    scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, V_FIRST: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    bos = tl.load(bounds + i_n)
+    eos = tl.load(bounds + i_n + 1)
+    first_chunk = tl.load(chunk_offsets + i_n)
+    kcols = tl.arange(0, BK)
+    vcols = i_v * BV + tl.arange(0, BV)
+    state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+    state_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    if V_FIRST:
+        state_off = state_base + vcols[None, :] * K + kcols[:, None]
+    else:
+        state_off = state_base + kcols[:, None] * V + vcols[None, :]
+    if HAS_DHT:
+        dS = tl.load(dht + state_off, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    r = tl.arange(0, BT)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    for i in range(0, num_chunks):
+        c = num_chunks - 1 - i
+        start = bos + c * BT
+        rows = start + r
+        valid = rows < eos
+        m_k = valid[:, None] & (kcols[None, :] < K)
+        m_v = valid[:, None] & (vcols[None, :] < V)
+        k_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :]
+        v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+        qk_off = rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :]
+        chunk = (first_chunk + c).to(tl.int64) * HV + i_hv
+        tl.store(dh + chunk * K * V + kcols[:, None] * V + vcols[None, :], dS, mask=state_mask)
+
+        g_c = tl.load(G + k_off, mask=m_k, other=0.0)
+        last = tl.minimum(start + BT, eos) - 1
+        g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
+        q_c = tl.load(q + qk_off, mask=m_k, other=0.0).to(tl.float32)
+        q_c = q_c * _inv_norm(q_c, L2)[:, None] * tl.exp(g_c)
+        k_c = tl.load(k + qk_off, mask=m_k, other=0.0).to(tl.float32)
+        k_c = k_c * _inv_norm(k_c, L2)[:, None]
+        k_c = k_c * tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
+        do_c = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
+        a_qk = tl.load(A_qk + chunk * BT * BT + r[:, None] * BT + r[None, :])
+        dd_c = scale * tl.dot(tl.trans(a_qk), do_c, input_precision=DOT_PRECISION) \
+            + tl.dot(k_c, dS, input_precision=DOT_PRECISION)
+        tl.store(dd + v_off, dd_c, mask=m_v)
+        w_c = tl.load(w + k_off, mask=m_k, other=0.0)
+        dS = dS * tl.exp(g_last)[:, None] + scale * tl.dot(tl.trans(q_c), do_c, input_precision=DOT_PRECISION) \
+            - tl.dot(tl.trans(w_c), dd_c, input_precision=DOT_PRECISION)
+    if STORE_DH0:
+        tl.store(dh0 + state_off, dS, mask=state_mask)
+
+
+@triton.jit
+def bwd_chunk_kernel(
+    q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
+    G,  # [tokens, HV, K] fp32
+    h, dh,  # [NT, HV, K, V] fp32: state entering each chunk, gradient of the state leaving it
+    v_new, dd, do,  # [tokens, HV, V]
+    T_inv, A_qk, M,  # [NT, HV, BT, BT] fp32 (M and A_qk are overwritten by dM and dQ)
+    dq, dk, dG, dv, dbeta,  # out, fp32: [tokens, HV, K] x3, [tokens, HV, V], [tokens, HV]
+    chunk_starts, chunk_seq_ends,
+    scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start = tl.load(chunk_starts + i_c)
+    end = tl.minimum(tl.load(chunk_seq_ends + i_c), start + BT)
+    r = tl.arange(0, BT)
+    rows = start + r
+    valid = rows < end
+    kcols = tl.arange(0, BK)
+    vcols = tl.arange(0, BV)
+    m_k = valid[:, None] & (kcols[None, :] < K)
+    m_v = valid[:, None] & (vcols[None, :] < V)
+    k_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :]
+    v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+    qk_off = rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :]
+    chunk = i_c.to(tl.int64) * HV + i_hv
+    sq = chunk * BT * BT + r[:, None] * BT + r[None, :]
+    st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
+    st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+    causal = r[:, None] >= r[None, :]
+    strict = r[:, None] > r[None, :]
+
+    k_raw = tl.load(k + qk_off, mask=m_k, other=0.0).to(tl.float32)
+    q_raw = tl.load(q + qk_off, mask=m_k, other=0.0).to(tl.float32)
+    k_norm = _inv_norm(k_raw, L2)
+    q_norm = _inv_norm(q_raw, L2)
+    k_c = k_raw * k_norm[:, None]
+    q_c = q_raw * q_norm[:, None]
+    g_c = tl.load(G + k_off, mask=m_k, other=0.0)
+    last = end - 1
+    g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
+    b_c = _beta(tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32), SIGMOID, TWO)
+    b_c = tl.where(valid, b_c, 0.0)
+    v_c = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
+    S0 = tl.load(h + st, mask=st_mask, other=0.0)
+    dS = tl.load(dh + st, mask=st_mask, other=0.0)
+    d_c = tl.load(v_new + v_off, mask=m_v, other=0.0)
+    dd_c = tl.load(dd + v_off, mask=m_v, other=0.0)
+    do_c = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
+
+    e_g = tl.where(m_k, tl.exp(g_c), 0.0)
+    e_gc = tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
+    # output and state terms
+    dqt = scale * tl.dot(do_c, tl.trans(S0), input_precision=DOT_PRECISION)
+    dQ = tl.where(causal, scale * tl.dot(do_c, tl.trans(d_c), input_precision=DOT_PRECISION), 0.0)
+    dW = -tl.dot(dd_c, tl.trans(S0), input_precision=DOT_PRECISION)
+    dkt = tl.dot(d_c, tl.trans(dS), input_precision=DOT_PRECISION)
+    kt = k_c * e_gc
+    dG_c = dqt * q_c * e_g - dkt * kt
+    dG_last = tl.sum(dkt * kt, axis=0) + tl.exp(g_last) * tl.sum(S0 * dS, axis=1)
+    dq_c = dqt * e_g
+    dk_c = dkt * e_gc
+    # through W = T X and U = T Y
+    X = b_c[:, None] * k_c * e_g
+    Y = b_c[:, None] * v_c
+    t_inv = tl.load(T_inv + sq)
+    dT = tl.dot(dW, tl.trans(X), input_precision=DOT_PRECISION) + tl.dot(dd_c, tl.trans(Y), input_precision=DOT_PRECISION)
+    dX = tl.dot(tl.trans(t_inv), dW, input_precision=DOT_PRECISION)
+    dY = tl.dot(tl.trans(t_inv), dd_c, input_precision=DOT_PRECISION)
+    dv_c = b_c[:, None] * dY
+    db_c = tl.sum(v_c * dY, axis=1) + tl.sum(k_c * e_g * dX, axis=1)
+    dk_c += b_c[:, None] * e_g * dX
+    dG_c += b_c[:, None] * k_c * e_g * dX
+    dA = tl.dot(tl.dot(tl.trans(t_inv), dT, input_precision=DOT_PRECISION), tl.trans(t_inv),
+                input_precision=DOT_PRECISION)
+    dA = tl.where(strict, -dA, 0.0)
+    m_kk = tl.load(M + sq)
+    db_c += tl.sum(dA * m_kk, axis=1)
+    dM = b_c[:, None] * dA
+    dG_c += tl.where((rows == last)[:, None], dG_last[None, :], 0.0)
+
+    tl.store(dq + k_off, dq_c, mask=m_k)
+    tl.store(dk + k_off, dk_c, mask=m_k)
+    tl.store(dG + k_off, dG_c, mask=m_k)
+    tl.store(dv + v_off, dv_c, mask=m_v)
+    tl.store(dbeta + rows.to(tl.int64) * HV + i_hv, db_c, mask=valid)
+    tl.debug_barrier()
+
+    # the pairwise terms through M_ij = sum_c k_i k_j E_ij and Q_ij = sum_c q_i k_j E_ij, by K slices
+    keep = causal & valid[:, None]
+    for c0 in tl.static_range(0, BK, BKC):
+        cs = c0 + tl.arange(0, BKC)
+        m_s = valid[:, None] & (cs[None, :] < K)
+        s_qk = rows[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
+        s_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :]
+        ks = tl.load(k + s_qk, mask=m_s, other=0.0).to(tl.float32) * k_norm[:, None]
+        qs = tl.load(q + s_qk, mask=m_s, other=0.0).to(tl.float32) * q_norm[:, None]
+        gs = tl.load(G + s_off, mask=m_s, other=0.0)
+        E = tl.exp(tl.where(keep[:, :, None], gs[:, None, :] - gs[None, :, :], float("-inf")))  # [i, j, c]
+        PM = dM[:, :, None] * E
+        PQ = dQ[:, :, None] * E
+        rk = tl.sum(PM * ks[None, :, :], axis=1)
+        rq = tl.sum(PQ * ks[None, :, :], axis=1)
+        ck = tl.sum(PM * ks[:, None, :] + PQ * qs[:, None, :], axis=0)
+        tl.store(dk + s_off, tl.load(dk + s_off, mask=m_s, other=0.0) + rk + ck, mask=m_s)
+        tl.store(dq + s_off, tl.load(dq + s_off, mask=m_s, other=0.0) + rq, mask=m_s)
+        tl.store(dG + s_off, tl.load(dG + s_off, mask=m_s, other=0.0) + ks * rk + qs * rq - ks * ck, mask=m_s)
+    tl.debug_barrier()
+
+    # G = in-chunk cumsum of the log decay: its gradient is the reverse cumsum of dG
+    dG_all = tl.load(dG + k_off, mask=m_k, other=0.0)
+    tl.store(dG + k_off, tl.cumsum(dG_all, axis=0, reverse=True), mask=m_k)
+
+
+def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None):
+    from kda.backends.base import KDAGradients
+    from kda.reference import beta_transform, l2norm, log_decay
+
+    device = spec.device
+    B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
+    tokens = B * T
+    layout, config = saved["layout"], saved["config"]
+    NT, N = layout.num_chunks, layout.num_seqs
+    BK, BV_all, precision = saved["BK"], saved["BV_all"], saved["precision"]
+    f32 = torch.float32
+    q, k, v, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.beta))
+    do = do.contiguous()
+    dd = torch.zeros(tokens, HV, V, dtype=f32, device=device)
+    dh = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
+    dh0 = torch.empty(spec.state_shape, dtype=f32, device=device) if inputs.initial_state is not None else None
+    dht = None if dfinal_state is None else dfinal_state.contiguous().to(f32)
+    BV = min(config.state_block_v, BV_all)
+    L2 = spec.use_qk_l2norm_in_kernel
+    bwd_state_kernel[(N, HV, triton.cdiv(V, BV))](
+        q, k, saved["G"], saved["w"], saved["A_qk"], do, dd, dh,
+        dht if dht is not None else dd, dh0 if dh0 is not None else dd,
+        layout.bounds, layout.chunk_offsets, spec.scale,
+        H=H, HV=HV, K=K, V=V, L2=L2, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision,
+        num_warps=config.state_warps, num_stages=1,
+    )
+    dq_h = torch.zeros(tokens, HV, K, dtype=f32, device=device)
+    dk_h, dG = torch.zeros_like(dq_h), torch.zeros_like(dq_h)
+    dv = torch.zeros(tokens, HV, V, dtype=f32, device=device)
+    dbeta_h = torch.zeros(tokens, HV, dtype=f32, device=device)
+    if NT > 0:
+        bwd_chunk_kernel[(NT, HV)](
+            q, k, v, beta, saved["G"], saved["h"], dh, saved["v_new"], dd, do, saved["T"], saved["A_qk"],
+            saved["M"], dq_h, dk_h, dG, dv, dbeta_h, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
+            H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
+            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 8), DOT_PRECISION=precision, num_warps=config.intra_warps,
+        )
+    group = HV // H
+    dq_hat = dq_h.view(B, T, H, group, K).sum(3)
+    dk_hat = dk_h.view(B, T, H, group, K).sum(3)
+
+    # The elementwise tails: autograd of the transforms' own definitions (kda.reference).
+    with torch.enable_grad():
+        qq = inputs.q.detach().to(f32).requires_grad_(True)
+        kk = inputs.k.detach().to(f32).requires_grad_(True)
+        dq_in, dk_in = torch.autograd.grad(
+            [l2norm(qq) if L2 else qq, l2norm(kk) if L2 else kk], [qq, kk], [dq_hat, dk_hat])
+        bb = inputs.beta.detach().to(f32).requires_grad_(True)
+        (dbeta_in,) = torch.autograd.grad(
+            beta_transform(bb, sigmoid=spec.use_beta_sigmoid_in_kernel, allow_neg_eigval=spec.allow_neg_eigval),
+            [bb], [dbeta_h.view(B, T, HV)])
+        gg = inputs.g.detach().to(f32).requires_grad_(True)
+        leaves = [gg]
+        A_log = dt_bias = None
+        if inputs.A_log is not None:
+            A_log = inputs.A_log.detach().to(f32).requires_grad_(True)
+            leaves.append(A_log)
+        if inputs.dt_bias is not None:
+            dt_bias = inputs.dt_bias.detach().to(f32).requires_grad_(True)
+            leaves.append(dt_bias)
+        a = log_decay(gg, use_gate_in_kernel=spec.use_gate_in_kernel, safe_gate_on=spec.safe_gate, A_log=A_log,
+                      dt_bias=dt_bias, lower_bound=spec.lower_bound)
+        found = torch.autograd.grad(a, leaves, dG.view(B, T, HV, K), allow_unused=True)
+    grads = dict(zip(["g", *(["A_log"] if A_log is not None else []), *(["dt_bias"] if dt_bias is not None else [])],
+                     found))
+
+    def like(grad, ref):
+        if ref is None:
+            return None
+        return torch.zeros_like(ref) if grad is None else grad.to(ref.dtype)
+
+    return KDAGradients(
+        dq=like(dq_in, inputs.q), dk=like(dk_in, inputs.k), dv=like(dv.view(B, T, HV, V), inputs.v),
+        dg=like(grads.get("g"), inputs.g), dbeta=like(dbeta_in, inputs.beta),
+        dA_log=like(grads.get("A_log"), inputs.A_log), ddt_bias=like(grads.get("dt_bias"), inputs.dt_bias),
+        dinitial_state=like(dh0, inputs.initial_state),
+    )

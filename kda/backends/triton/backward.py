@@ -112,16 +112,11 @@ def bwd_chunk_kernel(
     rows = start + r
     valid = rows < end
     kcols = tl.arange(0, BK)
-    vcols = tl.arange(0, BV)
     m_k = valid[:, None] & (kcols[None, :] < K)
-    m_v = valid[:, None] & (vcols[None, :] < V)
     k_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :]
-    v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
     qk_off = rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :]
     chunk = i_c.to(tl.int64) * HV + i_hv
     sq = chunk * BT * BT + r[:, None] * BT + r[None, :]
-    st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
-    st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
     causal = r[:, None] >= r[None, :]
     strict = r[:, None] > r[None, :]
 
@@ -136,34 +131,54 @@ def bwd_chunk_kernel(
     g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
     b_c = _beta(tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32), SIGMOID, TWO)
     b_c = tl.where(valid, b_c, 0.0)
-    v_c = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
-    S0 = tl.load(h + st, mask=st_mask, other=0.0)
-    dS = tl.load(dh + st, mask=st_mask, other=0.0)
-    d_c = tl.load(v_new + v_off, mask=m_v, other=0.0)
-    dd_c = tl.load(dd + v_off, mask=m_v, other=0.0)
-    do_c = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
-
     e_g = tl.where(m_k, tl.exp(g_c), 0.0)
     e_gc = tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
-    # output and state terms
-    dqt = scale * tl.dot(do_c, tl.trans(S0), input_precision=DOT_PRECISION)
-    dQ = tl.where(causal, scale * tl.dot(do_c, tl.trans(d_c), input_precision=DOT_PRECISION), 0.0)
-    dW = -tl.dot(dd_c, tl.trans(S0), input_precision=DOT_PRECISION)
-    dkt = tl.dot(d_c, tl.trans(dS), input_precision=DOT_PRECISION)
+    t_inv = tl.load(T_inv + sq)
+
+    # Everything that sums over V, in blocks of BV columns (a [K, V] state never sits whole in a program):
+    #   dq~ = scale do S0^T, dQ = scale do d^T, dW = -dd S0^T, dk~ = d dS^T, sum_v S0 dS, dd (beta v)^T,
+    #   and per block: dY = T^T dd, dv = beta dY, dbeta += sum_v v dY.
+    dqt = tl.zeros([BT, BK], dtype=tl.float32)
+    dW = tl.zeros([BT, BK], dtype=tl.float32)
+    dkt = tl.zeros([BT, BK], dtype=tl.float32)
+    dQ = tl.zeros([BT, BT], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    s0_ds = tl.zeros([BK], dtype=tl.float32)
+    db_c = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        vcols = i_v * BV + tl.arange(0, BV)
+        m_v = valid[:, None] & (vcols[None, :] < V)
+        v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+        st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
+        st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+        S0 = tl.load(h + st, mask=st_mask, other=0.0)
+        dS = tl.load(dh + st, mask=st_mask, other=0.0)
+        d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
+        dd_b = tl.load(dd + v_off, mask=m_v, other=0.0)
+        do_b = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
+        v_b = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
+        dqt += tl.dot(do_b, tl.trans(S0), input_precision=DOT_PRECISION)
+        dQ += tl.dot(do_b, tl.trans(d_b), input_precision=DOT_PRECISION)
+        dW -= tl.dot(dd_b, tl.trans(S0), input_precision=DOT_PRECISION)
+        dkt += tl.dot(d_b, tl.trans(dS), input_precision=DOT_PRECISION)
+        s0_ds += tl.sum(S0 * dS, axis=1)
+        dT += tl.dot(dd_b, tl.trans(b_c[:, None] * v_b), input_precision=DOT_PRECISION)
+        dY = tl.dot(tl.trans(t_inv), dd_b, input_precision=DOT_PRECISION)
+        tl.store(dv + v_off, b_c[:, None] * dY, mask=m_v)
+        db_c += tl.sum(v_b * dY, axis=1)
+    dqt = scale * dqt
+    dQ = tl.where(causal, scale * dQ, 0.0)
+
     kt = k_c * e_gc
     dG_c = dqt * q_c * e_g - dkt * kt
-    dG_last = tl.sum(dkt * kt, axis=0) + tl.exp(g_last) * tl.sum(S0 * dS, axis=1)
+    dG_last = tl.sum(dkt * kt, axis=0) + tl.exp(g_last) * s0_ds
     dq_c = dqt * e_g
     dk_c = dkt * e_gc
-    # through W = T X and U = T Y
+    # through W = T X (X = beta k e^G); U = T (beta v) was handled per V block above
     X = b_c[:, None] * k_c * e_g
-    Y = b_c[:, None] * v_c
-    t_inv = tl.load(T_inv + sq)
-    dT = tl.dot(dW, tl.trans(X), input_precision=DOT_PRECISION) + tl.dot(dd_c, tl.trans(Y), input_precision=DOT_PRECISION)
+    dT += tl.dot(dW, tl.trans(X), input_precision=DOT_PRECISION)
     dX = tl.dot(tl.trans(t_inv), dW, input_precision=DOT_PRECISION)
-    dY = tl.dot(tl.trans(t_inv), dd_c, input_precision=DOT_PRECISION)
-    dv_c = b_c[:, None] * dY
-    db_c = tl.sum(v_c * dY, axis=1) + tl.sum(k_c * e_g * dX, axis=1)
+    db_c += tl.sum(k_c * e_g * dX, axis=1)
     dk_c += b_c[:, None] * e_g * dX
     dG_c += b_c[:, None] * k_c * e_g * dX
     dA = tl.dot(tl.dot(tl.trans(t_inv), dT, input_precision=DOT_PRECISION), tl.trans(t_inv),
@@ -177,7 +192,6 @@ def bwd_chunk_kernel(
     tl.store(dq + k_off, dq_c, mask=m_k)
     tl.store(dk + k_off, dk_c, mask=m_k)
     tl.store(dG + k_off, dG_c, mask=m_k)
-    tl.store(dv + v_off, dv_c, mask=m_v)
     tl.store(dbeta + rows.to(tl.int64) * HV + i_hv, db_c, mask=valid)
     tl.debug_barrier()
 
@@ -316,7 +330,7 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
             q, k, v, beta, saved["G"], saved["h"], dh, saved["v_new"], dd, do, saved["T"], saved["A_qk"],
             saved["M"], dq_h, dk_h, dG, dv, dbeta_h, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision,
+            BT=C, BK=BK, BV=min(32, BV_all), BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision,
             num_warps=config.intra_warps,
         )
     group = HV // H

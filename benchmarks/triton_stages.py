@@ -1,8 +1,9 @@
 """Time each stage of the triton backend's forward on its own, at one bench shape (GPU only).
 
     KDA_TRITON_EXPERIMENTAL=1 python benchmarks/triton_stages.py B1_T8192_H96_D128 [more shapes]
+    KDA_TRITON_EXPERIMENTAL=1 python benchmarks/triton_stages.py --sweep B1_T8192_H96_D128   # launch configs
 
-Prints, per stage, the median ms (`triton.testing.do_bench`), the bytes it must move at least (reads
+Prints, per stage, the first call's seconds (compilation included, on a cold Triton cache), the median ms (`triton.testing.do_bench`), the bytes it must move at least (reads
 and writes of its inputs, intermediates and outputs) and the bandwidth that implies, against the H200's
 ~4.3 TB/s. The stage functions come from `plan_forward`, so this times exactly what the backend runs.
 The state stage writes v_new over u, so repeated runs see drifting values: fine for timing only.
@@ -10,13 +11,17 @@ The state stage writes v_new over u, so repeated runs see drifting values: fine 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
 
 import kda
 from kda.backends.base import KDAInputs
+from kda.backends.triton import forward as triton_forward_module
+from kda.backends.triton.configs import launch_config
 from kda.backends.triton.forward import plan_forward
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
@@ -45,6 +50,10 @@ def main(names: list[str]) -> None:
         stages, _ = plan_forward(call, spec)
         total = 0.0
         for stage, launch in stages:
+            began = time.perf_counter()
+            launch()
+            torch.cuda.synchronize()
+            print(f"{name} {stage:7s} first call {time.perf_counter() - began:6.2f} s")
             ms = do_bench(launch, warmup=25, rep=200, return_mode="median")
             total += ms
             moved = stage_bytes(spec, stage)
@@ -53,5 +62,47 @@ def main(names: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+# Launch-config variants for `--sweep` (the serial state pass and the output are the config-sensitive stages).
+SWEEP = [
+    {},
+    {"state_warps": 4},
+    {"state_block_v": 16, "state_warps": 4},
+    {"state_block_v": 64, "state_warps": 8, "state_stages": 1},
+    {"state_stages": 1},
+    {"output_warps": 4},
+    {"output_block_v": 128, "output_warps": 8},
+    {"output_block_v": 32, "output_warps": 4},
+    {"intra_warps": 8},
+    {"intra_block_w": 64, "intra_stages": 1},
+    {"intra_block_w": 64, "intra_stages": 2},
+    {"intra_stages": 1},
+]
+
+
+def sweep(names: list[str]) -> None:
+    """Time the stages under each variant of the shipped launch configuration (an explicit tuning run:
+    nothing is tuned at call time; a winner is written into `configs` by hand, marked measured)."""
+    for name in names or ["B1_T8192_H96_D128"]:
+        inputs = make_inputs(BenchShape.parse(name), MODES["fwd"], "cuda", seed=0)
+        spec = kda.KDASpec.from_call(**inputs.kwargs)
+        call = KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+        shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
+        for change in SWEEP:
+            config = dataclasses.replace(shipped, **change)
+            triton_forward_module.launch_config = lambda *_, config=config: config
+            try:
+                stages, _ = plan_forward(call, spec)
+                times = {stage: do_bench(launch, warmup=25, rep=100, return_mode="median") for stage, launch in stages}
+                shown = " ".join(f"{stage}={ms:.3f}" for stage, ms in times.items())
+                print(f"{name} {change or 'shipped'} total={sum(times.values()):.3f} ms  {shown}")
+            except Exception as error:  # e.g. out of shared memory: report and go on
+                print(f"{name} {change}: {type(error).__name__}: {str(error)[:200]}")
+        triton_forward_module.launch_config = launch_config
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--sweep"]:
+        sweep(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -220,4 +220,5 @@ def test_rows_are_timed_in_rotated_rounds_and_report_the_median(seed, monkeypatc
     assert order == ["baseline:fla", "torch", "torch", "baseline:fla", "baseline:fla", "torch"]
     by = {r.backend: r for r in rows}
     assert by["baseline:fla"].median_ms == 6.0 and by["torch"].median_ms == 4.0
+    assert by["baseline:fla"].round_ms == [9.0, 3.0, 6.0] and by["torch"].round_ms == [4.0, 8.0, 2.0]
     assert by["torch"].pct_fla == 150.0

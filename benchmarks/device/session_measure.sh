@@ -11,6 +11,10 @@
 #           start, under that load) is recorded. Timings from this phase are discarded.
 #   bench   python -m kda.bench --tune in ONE process on the idle GPU: every shape and mode, FLA reading
 #           the autotune results the warm phase left (set BENCH_MODES / BENCH_SHAPES to narrow it)
+#   probe   the triton backend's first GPU run, every backend's verification, a forward bench (see below)
+#   pair    (nvidia-h200-x2) verification on GPU 1 beside stages, config sweep and bench on GPU 0
+#   last    (one GPU) triton stages, config sweep, forward bench at a few shapes, one training shape
+#   next    (nvidia-h200-x2) what the next session should run first: see the phase
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -74,6 +78,98 @@ triton)
   timeout "$(left 30)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
     --mode fwd --cold-start first --out "$W/bench-triton" > "$W/bench-triton.txt" 2> "$W/bench-triton.err"
   echo "bench triton rc=$?"; grep -E "triton:" "$W/bench-triton.err" | head -20
+  ;;
+probe)
+  # Session 3's first call: the triton backend's first GPU run (stage timings, first-call seconds), then
+  # every backend verified over the grid (triton and the rest side by side, 8 processes each), then a
+  # forward bench on the idle GPU with whatever time is left.
+  export KDA_TRITON_EXPERIMENTAL=1
+  timeout "$(left 420)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B2_T16384_H16_D128 \
+    B4_T2048_H16_D128 B8_T2048_H32_D256 B8_T1024_H8_D64 > "$W/stages.txt" 2>&1
+  echo "stages rc=$?"; grep -E "total|first call" "$W/stages.txt" | head -40
+  timeout "$(left 150)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
+    --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err" &
+  timeout "$(left 150)" python3 -m kda.verify --backend torch --backend fla --backend flashkda --with-bench-classes \
+    --jobs 8 --work-dir "$W/verify-workers" --json "$W/verify-cuda.json" > "$W/verify-cuda.txt" 2> "$W/verify-cuda.err" &
+  wait
+  echo "verify done"; tail -n 3 "$W/verify-triton.txt" "$W/verify-cuda.txt"
+  grep -h -E "FAIL" "$W/verify-triton.txt" "$W/verify-cuda.txt" | head -20
+  timeout "$(left 15)" python3 -m kda.bench --backend baseline:fla --backend baseline:flashkda --backend triton \
+    --backend fla --backend auto --mode fwd --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench rc=$?"; grep -E "triton:|auto:" "$W/bench-fwd.err" | head -30
+  ;;
+pair)
+  # Two GPUs (nvidia-h200-x2): GPU 1 verifies (the triton backend over its grid and the bench classes,
+  # then the other backends), CPU-heavy compiles included; GPU 0 times: the triton stages and a launch
+  # config sweep, then the forward bench of every backend at every shape (--tune), then the training
+  # bench at the shapes in TRAIN_SHAPES. Timing runs only on GPU 0, one process at a time.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 40)" python3 -m kda.verify --backend triton --quick --with-bench-classes --jobs 12 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc"
+    timeout "$(left 40)" python3 -m kda.verify --backend fla --backend flashkda --backend torch --quick \
+      --with-bench-classes --jobs 12 --work-dir "$W/verify-workers" --json "$W/verify-cuda.json" \
+      > "$W/verify-cuda.txt" 2> "$W/verify-cuda.err"
+    echo "verify others rc=$?" > "$W/verify-cuda.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 450)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B2_T16384_H16_D128 \
+    B4_T2048_H16_D128 B8_T2048_H32_D256 B8_T1024_H8_D64 > "$W/stages.txt" 2>&1
+  timeout "$(left 410)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  grep -E "total" "$W/stages.txt"; cat "$W/sweep.txt"
+  timeout "$(left 170)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+    --backend fla --backend auto --mode fwd --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E "ok|fail|error" "$W/bench-fwd.err" | grep -v cold=None | head -70
+  timeout "$(left 20)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
+    --mode train_safe --mode train_pregated ${TRAIN_SHAPES:---shape B4_T2048_H16_D128 --shape B1_T8192_H96_D128} \
+    --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E "ok|fail|error" "$W/bench-train.err" | head -30
+  wait
+  cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt" "$W/verify-cuda.txt"
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+last)
+  # One GPU, nothing in parallel (compiles beside each other starved the 'pair' run): the triton stages and
+  # the config sweep, then the forward bench of every backend at BENCH_SHAPES, then one training shape.
+  export KDA_TRITON_EXPERIMENTAL=1
+  timeout "$(left 340)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B4_T2048_H16_D128 > "$W/stages.txt" 2>&1
+  grep -E "total|first" "$W/stages.txt"
+  timeout "$(left 290)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  timeout "$(left 100)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+    --backend fla --backend auto --mode fwd ${BENCH_SHAPES:---shape B1_T8192_H96_D128 --shape B4_T2048_H16_D128 \
+    --shape B8_T1024_H8_D64 --shape varlen_H64_D128_L8192} --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -40
+  timeout "$(left 10)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
+    --shape B4_T2048_H16_D128 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -10
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+next)
+  # For the next session (nvidia-h200-x2), one call: GPU 1 verifies triton over the whole grid, training
+  # included (8 processes, not more: 12 compiling beside a timed GPU starved it), then fla and flashkda;
+  # GPU 0 sweeps the launch settings and runs the forward bench at every shape, then the training modes.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 60)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc"
+    T=$(left 60); [ "$T" -gt 30 ] && timeout "$T" python3 -m kda.verify --backend fla --backend flashkda --with-bench-classes \
+      --jobs 8 --work-dir "$W/verify-workers" --json "$W/verify-cuda.json" > "$W/verify-cuda.txt" 2> "$W/verify-cuda.err"
+    echo "verify others rc=$?" > "$W/verify-cuda.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 460)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 B4_T2048_H16_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  timeout "$(left 200)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+    --backend fla --backend auto --mode fwd --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -70
+  timeout "$(left 40)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
+    --mode train_safe --mode train_pregated --shape B4_T2048_H16_D128 --shape B8_T1024_H8_D64 \
+    --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -30
+  wait
+  cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt" "$W/verify-cuda.txt"
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -54,6 +54,7 @@ class Row:
     cold_process_s: float | None = None  # the fresh process's whole life: interpreter, imports, first call
     cold_new_cache_files: int | None = None
     chose: str | None = None  # auto: the backend it ran
+    round_ms: list[float] = field(default_factory=list)  # each round's median, in round order (spread, outliers)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -236,6 +237,7 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
                 samples[row.backend].append(row.median_ms)
     for row in timed:
         if row.status == "ok" and samples[row.backend]:
+            row.round_ms = list(samples[row.backend])
             row.median_ms = statistics.median(samples[row.backend])
             try:
                 row.peak_bytes = memory(calls[row.backend], device)

@@ -17,11 +17,13 @@ it is how CI checks the kernels and how a user without a GPU can step through th
 
 The backward (`backward`: a reverse serial pass, a per-chunk gradient kernel, and the elementwise
 tails through autograd of `kda.reference`'s transforms) gives every gradient and matches the float64
-reference in the interpreter; on CUDA it is not offered yet: its per-chunk kernel does not fit Hopper's
-shared memory at K = 128, C = 64 (see `supports`).
+reference in the interpreter.
 
-On CUDA it is opt-in (``KDA_TRITON_EXPERIMENTAL=1``) until its kernels have run on a GPU: verification
-catches wrong numbers, but a kernel that faults would take the caller's CUDA context down with it.
+On CUDA (first run on an H200 on 2026-11-29): the forward is offered to everyone, and verified before
+use like every backend. Training is opt-in (``KDA_TRITON_EXPERIMENTAL=1``) and only up to K = 128 (the
+per-chunk backward kernel does not fit Hopper's shared memory at K = 256): the backward passed quick
+verification there on a few classes only and has not been timed; verification catches wrong numbers,
+not a kernel that faults and takes the caller's CUDA context down with it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, K
 from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
-OPT_IN = "KDA_TRITON_EXPERIMENTAL"  # on CUDA, off until the kernels have been verified on a GPU
+MAX_TRAINING_K = 128  # the per-chunk backward kernel's shared memory on sm90
+OPT_IN = "KDA_TRITON_EXPERIMENTAL"  # training on CUDA, off until the backward has been verified there over the grid
 
 
 def _interpreting() -> bool:
@@ -44,14 +47,14 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(Backend):
-    """kda's own Triton kernels (on CUDA: forward only for now)."""
+    """kda's own Triton kernels (on CUDA: the forward; training opt-in, up to K = 128)."""
 
     name = "triton"
-    version = "0"
+    version = "1"  # bump whenever a kernel changes: verification records are kept per version
     priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True
-    description = "kda's own chunked Triton kernels; CUDA forward (opt-in), CPU forward+backward through TRITON_INTERPRET=1"
+    description = "kda's own chunked Triton kernels; CUDA (training opt-in), CPU through TRITON_INTERPRET=1"
 
     def available(self) -> Verdict:
         try:
@@ -64,11 +67,7 @@ class TritonBackend(Backend):
             return Verdict.yes("TRITON_INTERPRET=1: runs on CPU tensors in Triton's interpreter")
         if not torch.cuda.is_available():
             return Verdict.no("needs a CUDA GPU (or TRITON_INTERPRET=1 to run CPU tensors in the interpreter)")
-        if os.environ.get(OPT_IN, "0") != "1":
-            # Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA
-            # context down with it; until these kernels have run on a GPU, nobody runs them unasked.
-            return Verdict.no(f"not yet run on a GPU; opt in with {OPT_IN}=1 (it is still verified before use)")
-        return Verdict.yes(f"{OPT_IN}=1")
+        return Verdict.yes("CUDA: forward; training opt-in with " + OPT_IN + "=1")
 
     def fingerprint_extras(self) -> dict[str, str]:
         return {"interpreter": "on" if _interpreting() else "off"}
@@ -78,12 +77,16 @@ class TritonBackend(Backend):
         if spec.device.type == "cuda":
             if torch.cuda.get_device_capability(spec.device) < MIN_CAPABILITY:
                 broken.append("needs compute capability >= 8.0")
-            if spec.requires_grad:
+            if spec.requires_grad and os.environ.get(OPT_IN, "0") != "1":
+                # Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA
+                # context down with it; the backward has run on a GPU for a few classes only.
+                broken.append(f"training on CUDA is opt-in for now ({OPT_IN}=1): the backward has passed "
+                              "verification on a GPU for a few case classes only")
+            if spec.requires_grad and spec.K > MAX_TRAINING_K:
                 # Compiled for sm90 on a CPU (kda.backends.triton.aot), the per-chunk backward kernel needs
-                # 156 KB of shared memory at K = 128, C = 64 but 287 KB at K = 256 (Hopper allows 227 KB), and
-                # a random case found dA_log 1.6e-3 off in fp32 (tests/test_triton_backend.py).
-                broken.append("training: the backward runs in the interpreter only for now (its per-chunk "
-                              "kernel does not fit sm90 at K = 256, and a dA_log accuracy bug is open)")
+                # 156 KB of shared memory at K = 128, C = 64 but 287 KB at K = 256 (Hopper allows 227 KB).
+                broken.append(f"training needs K <= {MAX_TRAINING_K} on CUDA (the per-chunk backward kernel "
+                              f"does not fit sm90's shared memory at K = {spec.K})")
         elif not (spec.device.type == "cpu" and _interpreting()):
             broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
         return Verdict.unless(broken)

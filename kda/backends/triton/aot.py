@@ -27,7 +27,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
     from triton.compiler import ASTSource, compile
 
     from kda.backends.triton.backward import bwd_state_kernel
-    from kda.backends.triton.configs import launch_config
+    from kda.backends.triton.configs import intra_block_w, launch_config
     from kda.backends.triton.gate import SAFE, gate_cumsum_kernel
     from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
     from kda.backends.triton.output import output_kernel
@@ -51,10 +51,11 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
                        {"HV": 8, "K": K, "GATE": SAFE, "HAS_A_LOG": True, "HAS_DT_BIAS": True, "BT": C, "BK": BK}, 4),
         "intra": shared(intra_chunk_kernel,
                         {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "A_kk": f32, "A_qk": f32,
-                         "M_out": f32, "T_out": f32, "w": f32, "u": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
+                         "M_out": f32, "w": f32, "u": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
                         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all,
-                         "BKC": min(BK, 32), "BC": SUB_CHUNK, "DOT_PRECISION": "tf32", "SAVE": False},
-                        config.intra_warps),
+                         "BKC": min(BK, 32), "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
+                         "DOT_PRECISION": "tf32", "SAVE": False},
+                        config.intra_warps, config.intra_stages),
         "state": shared(state_pass_kernel,
                         {"k": bf16, "w": f32, "u": f32, "G": f32, "h": f32, "h0": f32, "ht": f32, "bounds": i32,
                          "chunk_offsets": i32},

@@ -1,5 +1,5 @@
 """The chunked backward of KDA, written out in torch (float64-capable): the derivation the Triton backward
-kernels will implement, checked against autograd of the reference (WORK IN PROGRESS, not used yet).
+kernels implement, checked against autograd of the reference (tests/test_backward_math.py).
 
 One sequence, one value head, per chunk (rows ``R``), with the forward's quantities::
 
@@ -8,6 +8,11 @@ One sequence, one value head, per chunk (rows ``R``), with the forward's quantit
     Q_ij = sum_c q_i k_j E_ij  (j <= i)
     W = T (beta k e^G),  U = T (beta v),  d = U - W S0
     o = scale (q e^G S0 + Q d),   S_C = e^(G_C) S0 + (k e^(G_C - G))^T d
+
+The log decay's gradient is ``da_t = sum_{s >= t} dG_s`` (G = cumsum(a)), but it is formed as a sum of
+terms that each carry the decay across token t (see `chunk_backward`): the reverse cumsum of ``dG`` sums
+O(1) terms that cancel to ~0 where ``a_t`` is very negative, and ``dA_log = sum_t a_t da_t`` multiplies
+that fp32 residual by ``a_t``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,18 @@ def chunk_forward(q, k, v, beta, a, scale, S0, C):
 
 
 def chunk_backward(saved, do, dS_T, scale):
-    """Gradients with respect to q, k, v, beta (activated), a (log decay) and S0 of one sequence."""
+    """Gradients with respect to q, k, v, beta (activated), a (log decay) and S0 of one sequence.
+
+    Per chunk, with ``dG`` the gradient of the cumulative decay, ``da_t = sum_{s >= t} dG_s`` is::
+
+        da_t = sum_{s >= t} up_s + sum_{s < t} kt_s + e^(G_C) sum_v (S0 dS) + sum_{i >= t > j} P_ij
+        up_s = dq~_s q_s e^(G_s) + beta_s k_s e^(G_s) dX_s      (dG through e^G)
+        kt_s = dk~_s k_s e^(G_C - G_s)                           (dG through e^(G_C - G): -kt_s at s, +sum at C)
+        P_ij = (dM_ij k_i + dQ_ij q_i) k_j E_ij  (j < i)         (dG through E_ij: +P_ij at i, -P_ij at j)
+
+    (the pairs and the kt terms with both ends on one side of t cancel). Every term then has ``e^(a_t)`` as
+    a factor: a token whose decay underflows gets ``da_t = 0`` exactly, where the reverse cumsum of ``dG``
+    leaves an fp32 residual of the O(1) terms that cancel."""
     dq = torch.zeros(do.shape[0], saved[0]["q"].shape[1], dtype=do.dtype)
     dk, da = torch.zeros_like(dq), torch.zeros_like(dq)
     dv = torch.zeros_like(do)
@@ -59,6 +75,7 @@ def chunk_backward(saved, do, dS_T, scale):
         r, q, k, v, b, G = c["r"], c["q"], c["k"], c["v"], c["b"], c["G"]
         S0, d, Q, Tm, W, kt = c["S0"], c["d"], c["Q"], c["T"], c["W"], c["kt"]
         do_c = do[r]
+        n = do_c.shape[0]
         eG = G.exp()
         # serial part: the deltas' gradient and the state's gradient one chunk back
         dd = scale * Q.T @ do_c + kt @ dS
@@ -68,8 +85,6 @@ def chunk_backward(saved, do, dS_T, scale):
         dQ = torch.tril(scale * do_c @ d.T)
         dW, dU = -dd @ S0.T, dd
         dkt = d @ dS.T
-        dG = dqt * q * eG - dkt * kt
-        dG_C = (dkt * kt).sum(0) + G[-1].exp() * (S0 * dS).sum(1)
         dqc = dqt * eG
         dkc = dkt * (G[-1][None, :] - G).exp()
         # through W = T X, U = T Y
@@ -78,7 +93,6 @@ def chunk_backward(saved, do, dS_T, scale):
         dvc = b[:, None] * dY
         db = (v * dY).sum(1) + (k * eG * dX).sum(1)
         dkc = dkc + b[:, None] * eG * dX
-        dG = dG + b[:, None] * k * eG * dX
         dA = torch.tril(-(Tm.T @ dT @ Tm.T), -1)
         db = db + (dA * c["M"]).sum(1)
         dM = b[:, None] * dA
@@ -88,11 +102,19 @@ def chunk_backward(saved, do, dS_T, scale):
         dkc = dkc + torch.einsum("ijc,jc->ic", PM, k) + torch.einsum("ijc,ic->jc", PM, k) \
             + torch.einsum("ijc,ic->jc", PQ, q)
         dqc = dqc + torch.einsum("ijc,jc->ic", PQ, k)
-        term = PM * k[:, None, :] * k[None, :, :] + PQ * q[:, None, :] * k[None, :, :]
-        dG = dG + term.sum(1) - term.sum(0)
-        dG[-1] = dG[-1] + dG_C
-        # G = cumsum(a): a's gradient is the reverse cumsum of G's
-        da[r] = dG.flip(0).cumsum(0).flip(0)
+        P = PM * k[:, None, :] * k[None, :, :] + PQ * q[:, None, :] * k[None, :, :]  # [i, j, c]
+        # G = cumsum(a), so da_t = sum_{s >= t} dG_s, in the form of the docstring
+        up = (dqt * q + b[:, None] * k * dX) * eG
+        kt_terms = dkt * kt
+        kt_before = torch.cat([torch.zeros_like(kt_terms[:1]), kt_terms[:-1].cumsum(0)])  # sum_{s < t}, no subtraction
+        before = torch.ones(n, n, dtype=torch.bool).tril(-1)  # [t, j]: j < t
+        pairs = (_reverse_cumsum(P) * before[:, :, None]).sum(1)  # [t, c]: sum_{i >= t} sum_{j < t} P_ij
+        da[r] = _reverse_cumsum(up) + kt_before + G[-1].exp() * (S0 * dS).sum(1) + pairs
         dq[r], dk[r], dv[r], dbeta[r] = dqc, dkc, dvc, db
         dS = dS0
     return dq, dk, dv, dbeta, da, dS
+
+
+def _reverse_cumsum(x):
+    """``y_t = sum_{s >= t} x_s`` along dim 0."""
+    return x.flip(0).cumsum(0).flip(0)

@@ -3,7 +3,8 @@
 Shapes on the flattened token axis (``tokens = B*T``, or ``T`` with varlen): q, k ``[tokens, H, K]``,
 v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
 Intermediates (fp32): ``G [tokens, HV, K]``, ``w [tokens, HV, K]``, ``u [tokens, HV, V]`` (then
-``v_new``, in place), ``A_kk, A_qk [NT, HV, C, C]``, ``h [NT, HV, K, V]`` (the state entering each chunk).
+``v_new``, in place), ``A_kk`` (then ``T``) and ``A_qk [NT, HV, C, C]``, ``h [NT, HV, K, V]`` (the state
+entering each chunk).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
 from kda.backends.triton.chunks import chunk_layout
-from kda.backends.triton.configs import launch_config
+from kda.backends.triton.configs import intra_block_w, launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
@@ -76,9 +77,8 @@ def plan_forward(
     A_kk = torch.empty(max(NT, 1), HV, C, C, dtype=f32, device=device)
     A_qk = torch.empty_like(A_kk)
     h = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
-    save = spec.requires_grad  # training keeps M (A_kk without beta) and T for the backward
+    save = spec.requires_grad  # training keeps M (A_kk without beta) and T (written over A_kk) for the backward
     M = torch.empty_like(A_kk) if save else None
-    Tm = torch.empty_like(A_kk) if save else None
     o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=spec.dtype,
                                                                              device=device)
     ht = None
@@ -100,11 +100,12 @@ def plan_forward(
 
     def intra_stage() -> None:
         intra_chunk_kernel[(NT, HV)](
-            q, k, v, beta, G, A_kk, A_qk, M if save else G, Tm if save else G, w, u,
+            q, k, v, beta, G, A_kk, A_qk, M if save else G, w, u,
             layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, DOT_PRECISION=precision, SAVE=save,
-            num_warps=config.intra_warps,
+            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all),
+            DOT_PRECISION=precision, SAVE=save,
+            num_warps=config.intra_warps, num_stages=config.intra_stages,
         )
 
     def state_stage() -> None:
@@ -140,7 +141,7 @@ def plan_forward(
             result_ht = out.final_state
         saved = None
         if save:
-            saved = {"G": G, "w": w, "v_new": u, "h": h, "A_qk": A_qk, "M": M, "T": Tm, "layout": layout,
+            saved = {"G": G, "w": w, "v_new": u, "h": h, "A_qk": A_qk, "M": M, "T": A_kk, "layout": layout,
                      "config": config, "BK": BK, "BV_all": BV_all, "precision": precision}
         return ForwardResult(result_o, result_ht, saved)
 

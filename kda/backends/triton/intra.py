@@ -18,12 +18,24 @@ anchor is the first row ``a`` of ``I`` (``j < a <= i``)::
 
     exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j)        both factors <= 1
 
-and the block is one matrix product. Diagonal blocks (``i, j`` in the same sub-chunk) are computed
-element by element with the exponent masked to -inf above the diagonal before ``exp``: every exponent
-that is exponentiated is <= 0, whatever the gate.
+and the block is one matrix product. A diagonal block (``i, j`` in the same sub-chunk) uses the same
+anchor when the sub-chunk's decay span ``max_{i,c} |G_i[c] - G_a[c]|`` is at most `DOT_SPAN`: then
+``exp(G_a - G_j) <= exp(DOT_SPAN)`` stays finite in fp32 and every kept product ``i >= j`` is <= 1 (the
+entries above the diagonal, which may overflow, are discarded with ``where``, never multiplied by 0).
+The safe gate (``lower_bound >= -5``) always qualifies: 15 steps of at most 5. A sub-chunk with a larger
+span (unbounded pre-gated or softplus gates) takes the exact element-by-element path instead, with the
+exponent masked to -inf above the diagonal before ``exp``.
 
-Grid ``(NT, HV)``. A_kk and A_qk blocks go through a ``[NT, HV, C, C]`` fp32 scratch (A_qk is kept for
-stage 3); ``T`` comes from forward substitution on the full ``[C, C]`` block.
+The inverse works on 16-row blocks too: each diagonal block ``D_I = (I + A_II)^-1`` by forward
+substitution on ``[16, 16]`` tiles, then the blocks below the diagonal from the block recurrence
+
+    T_IJ = -D_I  sum_{J <= m < I} A_Im T_mJ                    (J < I, in increasing J)
+
+with matrix products. ``T`` is written over ``A_kk`` in place (row block by row block, increasing ``J``:
+every ``A_Im`` still needed is still there) and then read back whole for ``w`` and ``u``.
+
+Grid ``(NT, HV)``. A_kk (then T) and A_qk blocks go through ``[NT, HV, C, C]`` fp32 buffers (A_qk is
+kept for stage 4; T and M for the backward).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import triton
 import triton.language as tl
 
 SUB_CHUNK = 16  # rows per sub-chunk (the kernels' BC): the smallest tile tl.dot takes
+DOT_SPAN = tl.constexpr(80.0)  # largest decay span a diagonal block takes by product: e^80 = 5.5e34 < fp32 max
 
 
 @triton.jit
@@ -62,13 +75,14 @@ def _beta(b, SIGMOID: tl.constexpr, TWO: tl.constexpr):
 def intra_chunk_kernel(
     q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
     G,  # [tokens, HV, K] fp32 (stage 1)
-    A_kk, A_qk,  # [NT, HV, BT, BT] fp32 scratch / out
-    M_out, T_out,  # [NT, HV, BT, BT] fp32 out for training: A_kk without beta, and T (or dummies)
+    A_kk, A_qk,  # [NT, HV, BT, BT] fp32 out: T = (I + A_kk)^-1 (written over A_kk), and A_qk
+    M_out,  # [NT, HV, BT, BT] fp32 out for training: A_kk without beta (or a dummy)
     w, u,  # [tokens, HV, K], [tokens, HV, V] fp32 out
     chunk_starts, chunk_seq_ends,  # [NT] int32
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
+    BW: tl.constexpr,  # columns of w and u per product (a power of 2 dividing BK and BV)
     DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -80,53 +94,91 @@ def intra_chunk_kernel(
     sub = tl.arange(0, BC)
 
     # ---- the A_kk and A_qk blocks, 16 rows at a time --------------------------------------------
-    for I in tl.static_range(BT // BC):
+    for I in range(BT // BC):  # runtime loops here and below: unrolled, the kernel took 29 s to compile
         out_rows = (I * BC + sub)[:, None] * BT
         if start + I * BC < end:
             _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
                              H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE)
         else:  # the sub-chunk lies past the sequence's end: zero rows
             zero = tl.zeros([BC, BC], dtype=tl.float32)
-            for J in tl.static_range(BT // BC):
+            for J in range(BT // BC):
                 tl.store(A_kk + a_base + out_rows + (J * BC + sub)[None, :], zero)
                 tl.store(A_qk + a_base + out_rows + (J * BC + sub)[None, :], zero)
                 if SAVE:
                     tl.store(M_out + a_base + out_rows + (J * BC + sub)[None, :], zero)
     tl.debug_barrier()
 
-    # ---- T = (I + A_kk)^-1 by forward substitution ------------------------------------------------
+    # ---- T = (I + A_kk)^-1, 16-row blocks, written over A_kk ---------------------------------------
+    for I in range(BT // BC):
+        d_inv = _unit_lower_inverse(tl.load(A_kk + a_base + _block_offsets(I, I, BT, BC)), BC)
+        for J in range(I):
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for m in range(J, I):  # A_Im (not yet overwritten: m > J) times T_mJ (an earlier row block)
+                acc += tl.dot(tl.load(A_kk + a_base + _block_offsets(I, m, BT, BC)),
+                              tl.load(A_kk + a_base + _block_offsets(m, J, BT, BC)), input_precision=DOT_PRECISION)
+            tl.store(A_kk + a_base + _block_offsets(I, J, BT, BC),
+                     -tl.dot(d_inv, acc, input_precision=DOT_PRECISION))
+        tl.store(A_kk + a_base + _block_offsets(I, I, BT, BC), d_inv)
+        tl.debug_barrier()  # row block I of T is read by the later ones
     r = tl.arange(0, BT)
-    a_kk = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])
-    t_inv = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, BT):
-        a_row = tl.sum(tl.where(r[:, None] == i, a_kk, 0.0), axis=0)  # A_kk[i, :], zero from column i on
-        new_row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * t_inv, axis=0)
-        t_inv = tl.where(r[:, None] == i, new_row[None, :], t_inv)
-    if SAVE:
-        tl.store(T_out + a_base + r[:, None] * BT + r[None, :], t_inv)
+    t_inv = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])  # blocks above the diagonal hold zeros
 
-    # ---- w = T (beta k exp(G)),  u = T (beta v) ----------------------------------------------------
+    # ---- w = T (beta k exp(G)),  u = T (beta v), BW columns at a time ---------------------------------
+    # Column blocks keep each product's operands small: the kernel is latency-bound (a program's steps wait
+    # on each other), so shared memory per program decides how many programs share an SM.
     rows = start + r
     valid = rows < end
-    m_k = valid[:, None] & (cols[None, :] < K)
-    k_all = _rows_l2(tl.load(k + rows[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :], mask=m_k,
-                             other=0.0).to(tl.float32), L2)
-    g_all = tl.load(G + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :], mask=m_k, other=0.0)
     b_all = _beta(tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32),
                   SIGMOID, TWO)
     b_all = tl.where(valid, b_all, 0.0)
-    w_in = k_all * tl.exp(g_all) * b_all[:, None]  # exp(G) <= 1
-    w_out = tl.dot(t_inv, w_in, input_precision=DOT_PRECISION)
-    tl.store(w + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :], w_out, mask=m_k)
-    vcols = tl.arange(0, BV)
-    m_v = valid[:, None] & (vcols[None, :] < V)
-    v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
-    v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
-    tl.store(u + v_off, tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), mask=m_v)
+    k_rows = rows[:, None].to(tl.int64) * (H * K) + i_h * K
+    if L2:  # the rows' norms over the whole head dimension first
+        squares = tl.zeros([BT], dtype=tl.float32)
+        for c0 in range(0, BK, BW):
+            wcols = c0 + tl.arange(0, BW)
+            k_blk = tl.load(k + k_rows + wcols[None, :], mask=valid[:, None] & (wcols[None, :] < K), other=0.0)
+            k_blk = k_blk.to(tl.float32)
+            squares += tl.sum(k_blk * k_blk, axis=1)
+        k_scale = b_all * tl.rsqrt(squares + 1e-6)  # eps as kda.reference.l2norm
+    else:
+        k_scale = b_all
+    for c0 in range(0, BK, BW):
+        wcols = c0 + tl.arange(0, BW)
+        m_w = valid[:, None] & (wcols[None, :] < K)
+        k_blk = tl.load(k + k_rows + wcols[None, :], mask=m_w, other=0.0).to(tl.float32)
+        g_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + wcols[None, :]
+        g_blk = tl.load(G + g_off, mask=m_w, other=0.0)
+        w_in = k_blk * tl.exp(g_blk) * k_scale[:, None]  # exp(G) <= 1
+        tl.store(w + g_off, tl.dot(t_inv, w_in, input_precision=DOT_PRECISION), mask=m_w)
+    for c0 in range(0, BV, BW):
+        vcols = c0 + tl.arange(0, BW)
+        m_v = valid[:, None] & (vcols[None, :] < V)
+        v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+        v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
+        tl.store(u + v_off, tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), mask=m_v)
+
+@triton.jit
+def _block_offsets(I, J, BT: tl.constexpr, BC: tl.constexpr):
+    """Offsets of the ``[BC, BC]`` block ``(I, J)`` inside a row-major ``[BT, BT]`` matrix."""
+    sub = tl.arange(0, BC)
+    return (I * BC + sub)[:, None] * BT + (J * BC + sub)[None, :]
 
 
 @triton.jit
-def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I: tl.constexpr,
+def _unit_lower_inverse(a, BC: tl.constexpr):
+    """``(I + a)^-1`` for a strictly lower triangular ``a [BC, BC]``, by forward substitution:
+    row i of the inverse is ``e_i - sum_{c < i} a[i, c] * row c`` (rows before i are final)."""
+    r = tl.arange(0, BC)
+    t = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in range(1, BC):
+        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)  # a[i, :], zero from column i on
+        new_row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * t, axis=0)
+        t = tl.where(r[:, None] == i, new_row[None, :], t)
+    return t
+
+
+@triton.jit
+def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
                      SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr):
@@ -152,7 +204,7 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
     b_i = tl.where(valid_i, b_i, 0.0)
     k_i_late = k_i * tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
     q_i_late = q_i * tl.exp(g_i - anchor[None, :])
-    for J in tl.static_range(BT // BC):
+    for J in range(BT // BC):
         out_off = a_base + out_rows + (J * BC + sub)[None, :]
         if J < I:
             rows_j = start + J * BC + sub  # all before the anchor, all inside the sequence
@@ -169,27 +221,23 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             tl.store(A_kk + out_off, kk * b_i[:, None])
             tl.store(A_qk + out_off, qk)
         elif J == I:
-            kk = tl.zeros([BC, BC], dtype=tl.float32)
-            qk = tl.zeros([BC, BC], dtype=tl.float32)
             causal = sub[:, None] >= sub[None, :]
             strict = sub[:, None] > sub[None, :]
-            for c0 in tl.static_range(0, BK, BKC):
-                cs = c0 + tl.arange(0, BKC)
-                m_c = valid_i[:, None] & (cs[None, :] < K)
-                g_c = tl.load(G + rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :],
-                              mask=m_c, other=0.0)
-                kq_off = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
-                k_c = tl.load(k + kq_off, mask=m_c, other=0.0).to(tl.float32)
-                q_c = tl.load(q + kq_off, mask=m_c, other=0.0).to(tl.float32)
-                diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
-                keep = causal & valid_i[:, None]  # rows past the end hold no score (and no overflow)
-                decay = tl.exp(tl.where(keep[:, :, None], diff, float("-inf")))
-                kj = k_c[None, :, :] * decay
-                qk += tl.sum(q_c[:, None, :] * kj, axis=2)
-                kk += tl.sum(tl.where(strict[:, :, None], k_c[:, None, :] * kj, 0.0), axis=2)
-            # The slices were raw: apply the norms of the whole head dimension to the sums.
-            kk = kk * k_norm[:, None] * k_norm[None, :]
-            qk = qk * q_norm[:, None] * k_norm[None, :]
+            # The span every factor below sees: |G_i - G_a| over the sub-chunk's rows (rows past the end hold
+            # G_a). With a decreasing G that is G_a - G_last; taken over every row, it stays a bound for any G.
+            span = tl.max(tl.max(tl.abs(g_i - anchor[None, :]), axis=1), axis=0)
+            if span <= DOT_SPAN:
+                # One product against the anchor (see the module docstring); k_i, q_i are normalized already.
+                k_i_early = k_i * tl.exp(tl.where(m_i, anchor[None, :] - g_i, 0.0))  # <= exp(DOT_SPAN)
+                kk = tl.dot(k_i_late, tl.trans(k_i_early), input_precision=DOT_PRECISION)
+                qk = tl.dot(q_i_late, tl.trans(k_i_early), input_precision=DOT_PRECISION)
+                kk = tl.where(strict, kk, 0.0)
+                qk = tl.where(causal & valid_i[:, None], qk, 0.0)
+            else:
+                kk, qk = _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H, HV, K, BK, BKC, BC)
+                # The slices were raw: apply the norms of the whole head dimension to the sums.
+                kk = kk * k_norm[:, None] * k_norm[None, :]
+                qk = qk * q_norm[:, None] * k_norm[None, :]
             if SAVE:
                 tl.store(M_out + out_off, kk)
             tl.store(A_kk + out_off, kk * b_i[:, None])
@@ -200,3 +248,29 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             tl.store(A_qk + out_off, zero)
             if SAVE:
                 tl.store(M_out + out_off, zero)
+
+
+@triton.jit
+def _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                          BK: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr):
+    """A diagonal block's raw (un-normalized) ``k k^T`` (strictly lower) and ``q k^T`` (lower) sums, element
+    by element over K slices, each exponent masked to -inf above the diagonal before ``exp``."""
+    sub = tl.arange(0, BC)
+    causal = sub[:, None] >= sub[None, :]
+    strict = sub[:, None] > sub[None, :]
+    kk = tl.zeros([BC, BC], dtype=tl.float32)
+    qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for c0 in range(0, BK, BKC):
+        cs = c0 + tl.arange(0, BKC)
+        m_c = valid_i[:, None] & (cs[None, :] < K)
+        g_c = tl.load(G + rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :], mask=m_c, other=0.0)
+        kq_off = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
+        k_c = tl.load(k + kq_off, mask=m_c, other=0.0).to(tl.float32)
+        q_c = tl.load(q + kq_off, mask=m_c, other=0.0).to(tl.float32)
+        diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
+        keep = causal & valid_i[:, None]  # rows past the end hold no score (and no overflow)
+        decay = tl.exp(tl.where(keep[:, :, None], diff, float("-inf")))
+        kj = k_c[None, :, :] * decay
+        qk += tl.sum(q_c[:, None, :] * kj, axis=2)
+        kk += tl.sum(tl.where(strict[:, :, None], k_c[:, None, :] * kj, 0.0), axis=2)
+    return kk, qk

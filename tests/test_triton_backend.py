@@ -157,14 +157,14 @@ def test_availability_follows_the_interpreter_switch(monkeypatch, interpreter):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     on_gpu = spec.model_copy(update={"q": spec.q.model_copy(update={"device": "cuda:0"})})
     assert backend.supports(on_gpu)
-    training = on_gpu.model_copy(update={"requires_grad": True})  # training: opt-in, K <= 128
+    training = on_gpu.model_copy(update={"requires_grad": True})  # training: opt-in
     assert not backend.supports(training) and "KDA_TRITON_EXPERIMENTAL=1" in str(backend.supports(training))
     monkeypatch.setenv("KDA_TRITON_EXPERIMENTAL", "1")
     assert backend.supports(training)  # K = 8
     wide = kda.KDASpec.from_call(torch.randn(1, 4, 1, 256), torch.randn(1, 4, 1, 256), torch.randn(1, 4, 1, 8),
                                  -torch.rand(1, 4, 1, 256), torch.rand(1, 4, 1))
     wide = wide.model_copy(update={"q": wide.q.model_copy(update={"device": "cuda:0"}), "requires_grad": True})
-    assert not backend.supports(wide) and "K <= 128" in str(backend.supports(wide))
+    assert backend.supports(wide)  # K = 256: the backward fits sm90 (tests/test_triton_compile.py)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert "compute capability >= 8.0" in str(backend.supports(on_gpu))
 

@@ -26,7 +26,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kda.backends.triton.backward import bwd_state_kernel
+    from kda.backends.triton.backward import bwd_chunk_kernel, bwd_state_kernel
     from kda.backends.triton.configs import intra_block_w, launch_config
     from kda.backends.triton.gate import SAFE, gate_cumsum_kernel
     from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
@@ -67,8 +67,14 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
                           "chunk_seq_ends": i32, "scale": "fp32"},
                          {**heads, "L2": True, "BT": C, "BK": BK, "BV": min(config.output_block_v, BV_all),
                           "DOT_PRECISION": "tf32"}, config.output_warps),
-        # The backward's per-chunk kernel is left out on purpose: 262 KB at K = 128, C = 64, over the limit
-        # (the reason the backward is not offered on CUDA yet; see TritonBackend.supports).
+        "bwd_chunk": shared(bwd_chunk_kernel,
+                            {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "h": f32, "dh": f32,
+                             "v_new": f32, "dd": f32, "do": bf16, "T_inv": f32, "A_qk": f32, "M": f32, "dq": f32,
+                             "dk": f32, "da": f32, "dv": f32, "dbeta": f32, "chunk_starts": i32,
+                             "chunk_seq_ends": i32, "scale": "fp32"},
+                            {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK,
+                             "BV": min(32, BV_all), "BKC": min(BK, 16), "BC": SUB_CHUNK, "DOT_PRECISION": "tf32"},
+                            config.backward_warps, config.backward_stages),
         "bwd_state": shared(bwd_state_kernel,
                             {"q": bf16, "k": bf16, "G": f32, "w": f32, "A_qk": f32, "do": bf16, "dd": f32, "dh": f32,
                              "dht": f32, "dh0": f32, "bounds": i32, "chunk_offsets": i32, "scale": "fp32"},

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.intra import SUB_CHUNK, _beta, _inv_norm
+from kda.backends.triton.state import state_tile
 
 
 @triton.jit
@@ -57,12 +58,7 @@ def bwd_state_kernel(
     first_chunk = tl.load(chunk_offsets + i_n)
     kcols = tl.arange(0, BK)
     vcols = i_v * BV + tl.arange(0, BV)
-    state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
-    state_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
-    if V_FIRST:
-        state_off = state_base + vcols[None, :] * K + kcols[:, None]
-    else:
-        state_off = state_base + kcols[:, None] * V + vcols[None, :]
+    state_off, state_mask = state_tile(i_n, i_hv, kcols, vcols, HV, K, V, V_FIRST)
     if HAS_DHT:
         dS = tl.load(dht + state_off, mask=state_mask, other=0.0).to(tl.float32)
     else:
@@ -213,7 +209,7 @@ def bwd_chunk_kernel(
     tl.store(M + sq, dM)
     tl.store(A_qk + sq, dQ)
     tl.debug_barrier()
-    for I in tl.static_range(BT // BC):
+    for I in range(BT // BC):  # run-time loops here and below: unrolled, this kernel took 53 s to compile
         if start + I * BC < end:
             _pairwise_row_block(q, k, G, M, A_qk, dq, dk, da, chunk * BT * BT, start, end, i_h, i_hv, I,
                                 H, HV, K, L2, BT, BK, BKC, BC, DOT_PRECISION)
@@ -239,7 +235,7 @@ def _rows(x, rows, i_hv, cols, HEADS: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_hv, I: tl.constexpr,
+def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_hv, I,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, BT: tl.constexpr,
                         BK: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """For rows ``i`` of sub-chunk I: ``rk_i = sum_j dM_ij k_j E_ij``, ``rq_i = sum_j dQ_ij k_j E_ij``, and for
@@ -269,7 +265,7 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
     late = tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
     rk = tl.zeros([BC, BK], dtype=tl.float32)
     rq = tl.zeros([BC, BK], dtype=tl.float32)
-    for J in tl.static_range(I):
+    for J in range(I):
         rows_j = start + J * BC + sub  # before the anchor, inside the sequence
         m_j = (rows_j[:, None] < end) & (cols[None, :] < K)
         k_j = tl.load(_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32)
@@ -289,7 +285,7 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
         tl.store(da_j, tl.load(da_j, mask=m_j, other=0.0) + _sum_before(col), mask=m_j)
         tl.debug_barrier()
         across = tl.sum(col, axis=0)  # [BK]: every pair of blocks I and J, for the tokens between them
-        for Mid in tl.static_range(J + 1, I):
+        for Mid in range(J + 1, I):
             m_b = ((start + Mid * BC + sub)[:, None] < end) & (cols[None, :] < K)
             da_b = _rows(da, start + Mid * BC + sub, i_hv, cols, HV, K)
             tl.store(da_b, tl.load(da_b, mask=m_b, other=0.0) + across[None, :], mask=m_b)
@@ -311,7 +307,7 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
     dQ_ii = tl.load(dQ + blk)
     keep = (sub[:, None] >= sub[None, :]) & valid_i[:, None]
     before = sub[:, None] > sub[None, :]  # [t, j]: j < t
-    for c0 in tl.static_range(0, BK, BKC):
+    for c0 in range(0, BK, BKC):
         cs = c0 + tl.arange(0, BKC)
         m_s = valid_i[:, None] & (cs[None, :] < K)
         ks = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * k_norm[:, None]
@@ -372,7 +368,7 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
             saved["M"], dq_h, dk_h, da, dv, dbeta_h, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
             BT=C, BK=BK, BV=min(32, BV_all), BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision,
-            num_warps=config.intra_warps,
+            num_warps=config.backward_warps, num_stages=config.backward_stages,
         )
     group = HV // H
     dq_hat = dq_h.view(B, T, H, group, K).sum(3)

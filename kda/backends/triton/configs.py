@@ -21,6 +21,10 @@ class LaunchConfig:
     measured: bool = False
     intra_block_w: int = 0  # columns of w and u per product in the intra kernel (0: all in one)
     intra_stages: int = 3  # software pipelining of the intra kernel's loops (Triton's default)
+    backward_warps: int = 8  # the backward's per-chunk kernel (not yet measured anywhere)
+    # Its V loop pipelined 2 deep, not Triton's default 3: compiled for sm90, 213 KB of shared memory at
+    # K = 256 (3 stages: 287 KB, over Hopper's 227 KB; 1 stage: 233 KB) and 115 KB at K = 128 (156 KB).
+    backward_stages: int = 2
 
 
 # sm90, K <= 128: measured on an H200 on 2026-11-29 (`benchmarks/triton_stages.py --sweep`, forward at

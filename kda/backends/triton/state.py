@@ -22,6 +22,17 @@ from kda.backends.triton.intra import _inv_norm
 
 
 @triton.jit
+def state_tile(i_n, i_hv, kcols, vcols, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
+    """Offsets and mask of the ``[BK, BV]`` tile (rows ``kcols``, columns ``vcols``) of sequence ``i_n``'s state
+    for value head ``i_hv``, in a ``[N, HV, K, V]`` tensor, or ``[N, HV, V, K]`` with ``V_FIRST``."""
+    state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+    state_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    if V_FIRST:
+        return state_base + vcols[None, :] * K + kcols[:, None], state_mask
+    return state_base + kcols[:, None] * V + vcols[None, :], state_mask
+
+
+@triton.jit
 def state_pass_kernel(
     k,  # [tokens, H, K]
     w,  # [tokens, HV, K] fp32 (stage 2)
@@ -43,12 +54,7 @@ def state_pass_kernel(
     first_chunk = tl.load(chunk_offsets + i_n)
     kcols = tl.arange(0, BK)
     vcols = i_v * BV + tl.arange(0, BV)
-    state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
-    state_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
-    if V_FIRST:
-        state_off = state_base + vcols[None, :] * K + kcols[:, None]
-    else:
-        state_off = state_base + kcols[:, None] * V + vcols[None, :]
+    state_off, state_mask = state_tile(i_n, i_hv, kcols, vcols, HV, K, V, V_FIRST)
     if HAS_H0:
         S = tl.load(h0 + state_off, mask=state_mask, other=0.0).to(tl.float32)
     else:

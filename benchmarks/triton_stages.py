@@ -1,11 +1,11 @@
 """Time each stage of the triton backend's forward on its own, at one bench shape (GPU only).
 
-    KDA_TRITON_EXPERIMENTAL=1 python benchmarks/triton_stages.py B1_T8192_H96_D128 [more shapes]
-    KDA_TRITON_EXPERIMENTAL=1 python benchmarks/triton_stages.py --sweep B1_T8192_H96_D128   # launch configs
+    python benchmarks/triton_stages.py B1_T8192_H96_D128 [more shapes]
+    python benchmarks/triton_stages.py --sweep B1_T8192_H96_D128        # launch-setting variants
 
-Prints, per stage, the first call's seconds (compilation included, on a cold Triton cache), the median ms (`triton.testing.do_bench`), the bytes it must move at least (reads
-and writes of its inputs, intermediates and outputs) and the bandwidth that implies, against the H200's
-~4.3 TB/s. The stage functions come from `plan_forward`, so this times exactly what the backend runs.
+Prints, per stage, the first call's seconds (compilation included, on a cold Triton cache), the median
+ms (`triton.testing.do_bench`), the bytes it must move at least (reads and writes of its inputs,
+intermediates and outputs) and the bandwidth that implies, against the H200's ~4.3 TB/s. The stage functions come from `plan_forward`, so this times exactly what the backend runs.
 The state stage writes v_new over u, so repeated runs see drifting values: fine for timing only.
 """
 

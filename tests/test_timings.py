@@ -15,6 +15,8 @@ from kda import timings
 from kda.backends.torch import TorchBackend
 from kda.timings import Measurement, ShapePoint
 
+TORCH_VERSION = TorchBackend.version  # timings count only for the version they were measured with
+
 
 class Faster(TorchBackend):
     """The torch backend's numbers under another name and a lower priority (so priority alone ranks it last)."""
@@ -60,7 +62,7 @@ def test_point_of_a_spec_uses_tokens_heads_and_mean_length():
 def test_without_a_table_priority_decides():
     kda.register_backend(Faster)
     spec = kda.KDASpec.from_call(**call())
-    order, ranking = timings.rank(spec, [("torch", "1", 0), ("faster", "3", -5)])
+    order, ranking = timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)])
     assert order == ["torch", "faster"] and ranking is None
     explanation = kda.explain(**call())
     assert explanation.chosen == "torch" and "static priority" in str(explanation)
@@ -69,7 +71,7 @@ def test_without_a_table_priority_decides():
 def test_the_table_makes_auto_use_the_fastest_verified_backend(seed):
     kda.register_backend(Faster)
     spec = kda.KDASpec.from_call(**call())
-    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"torch": Measurement(2.0, "1"),
+    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"torch": Measurement(2.0, TORCH_VERSION),
                                                              "faster": Measurement(1.0, "3")})
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call())
@@ -101,7 +103,7 @@ def test_a_timing_never_makes_an_unverified_backend_usable(seed):
     kda.register_backend(Wrong)
     spec = kda.KDASpec.from_call(**call())
     timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"wrong": Measurement(0.1, "3"),
-                                                             "torch": Measurement(2.0, "1")})
+                                                             "torch": Measurement(2.0, TORCH_VERSION)})
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call())
     assert [r.backend for r in routes] == ["torch"]
@@ -112,10 +114,10 @@ def test_stale_or_corrupt_tables_fall_back_to_priority(seed):
     spec = kda.KDASpec.from_call(**call())
     path = timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"faster": Measurement(1.0, "2")})
     # A timing for another version of the backend is ignored:
-    assert timings.rank(spec, [("torch", "1", 0), ("faster", "3", -5)]) == (["torch", "faster"], None)
+    assert timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)]) == (["torch", "faster"], None)
 
     timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"faster": Measurement(1.0, "3")})
-    assert timings.rank(spec, [("torch", "1", 0), ("faster", "3", -5)])[0] == ["faster", "torch"]
+    assert timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)])[0] == ["faster", "torch"]
 
     good = path.read_text()
     for broken in ("{not json", json.dumps({"fingerprint": {}, "entries": []}),
@@ -132,9 +134,9 @@ def test_stale_or_corrupt_tables_fall_back_to_priority(seed):
 
 def test_record_merges_measurements_at_the_same_point():
     spec = kda.KDASpec.from_call(**call())
-    timings.record("cpu", "a", ShapePoint.of(spec), {"torch": Measurement(2.0, "1")})
+    timings.record("cpu", "a", ShapePoint.of(spec), {"torch": Measurement(2.0, TORCH_VERSION)})
     timings.record("cpu", "a", ShapePoint.of(spec), {"faster": Measurement(1.0, "3")})
-    timings.record("cpu", "b", point(tokens=4096), {"torch": Measurement(9.0, "1")})
+    timings.record("cpu", "b", point(tokens=4096), {"torch": Measurement(9.0, TORCH_VERSION)})
     table = timings.load("cpu")
     assert table is not None and len(table.entries) == 2
     assert set(table.entries[0].timings) == {"torch", "faster"}

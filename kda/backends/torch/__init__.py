@@ -85,7 +85,7 @@ class TorchBackend(Backend):
     """Plain PyTorch, every feature, any device: the fallback and the readable algorithm."""
 
     name = "torch"
-    version = "1"
+    version = "2"  # 2: the chunk's cumulative log decay in float64 (saturated gates' dA_log)
     priority = 0
     trains = True
     writes_into_outputs = True

@@ -10,6 +10,14 @@ state entering it, see `intra` for ``A_qk``, ``W``, ``U``)::
 
 T is padded up to a multiple of the chunk with tokens that change nothing (k = v = q = 0, beta = 0,
 g = 0: no decay, no update), so a ragged tail needs no special case.
+
+``Gamma`` is summed in float64, and every exponent is formed from it in float64 and rounded once to the
+compute dtype just before ``exp``. Two reasons, both about saturated gates (log decays of -50 to -500 a
+token, so ``Gamma`` reaches about -1000 inside a chunk): in fp32 such a ``Gamma`` has an ulp of 6e-5, so
+``Gamma_i - Gamma_j`` for nearby tokens would carry an absolute error of that size; and autograd's
+gradient of the per-token log decay is a reverse cumsum of O(1) terms that cancel where the decay is
+tiny, which in fp32 leaves ~1e-8 residuals that ``dA_log = sum a da`` multiplies by ``a`` (in the
+hundreds). In float64 both errors vanish, at the cost of a transient float64 ``[C, C, K]`` difference.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda.backends.torch.intra import chunk_scores, wy_transform
+from kda.backends.torch.intra import _exp, chunk_scores, wy_transform
 
 
 def chunked_delta_rule(
@@ -47,12 +55,13 @@ def chunked_delta_rule(
     for c in range(num_chunks):
         span = slice(c * C, (c + 1) * C)
         q_c, k_c, v_c, b_c = q[:, :, span], k[:, :, span], v[:, :, span], beta[:, :, span]
-        gamma = g[:, :, span].cumsum(dim=-2)  # [B, HV, C, K], <= 0 and non-increasing along C
+        # [B, HV, C, K] float64, <= 0 and non-increasing along C (see the module docstring)
+        gamma = g[:, :, span].to(torch.float64).cumsum(dim=-2)
         A_qk, A_kk = chunk_scores(q_c, k_c, b_c, gamma)
         W, U = wy_transform(A_kk, k_c, v_c, b_c, gamma)
         v_new = U - W @ S  # [B, HV, C, V]
-        outputs.append(scale * ((q_c * gamma.exp()) @ S + A_qk @ v_new))
+        outputs.append(scale * ((q_c * _exp(gamma, q.dtype)) @ S + A_qk @ v_new))
         last = gamma[:, :, -1:, :]  # [B, HV, 1, K]
-        S = last.transpose(-1, -2).exp() * S + ((last - gamma).exp() * k_c).transpose(-1, -2) @ v_new
+        S = _exp(last.transpose(-1, -2), q.dtype) * S + (_exp(last - gamma, q.dtype) * k_c).transpose(-1, -2) @ v_new
     o = torch.cat(outputs, dim=2)[:, :, :T]
     return o, S

@@ -20,12 +20,18 @@ from __future__ import annotations
 import torch
 
 
-def causal_decay(gamma: torch.Tensor) -> torch.Tensor:
-    """``[..., C, K] -> [..., C, C, K]``: ``exp(gamma_i - gamma_j)`` on and below the diagonal, 0 above."""
+def _exp(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``exp`` of a float64 exponent, rounded once to ``dtype`` first (see `chunked`'s docstring)."""
+    return exponent.to(dtype).exp()
+
+
+def causal_decay(gamma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., C, K] -> [..., C, C, K]``: ``exp(gamma_i - gamma_j)`` on and below the diagonal, 0 above,
+    in ``dtype`` (the difference is taken in gamma's float64)."""
     C = gamma.shape[-2]
     diff = gamma[..., :, None, :] - gamma[..., None, :, :]
     above = torch.ones(C, C, dtype=torch.bool, device=gamma.device).triu(1)
-    return diff.masked_fill(above[:, :, None], float("-inf")).exp()
+    return diff.to(dtype).masked_fill(above[:, :, None], float("-inf")).exp()
 
 
 def chunk_scores(
@@ -33,10 +39,11 @@ def chunk_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay-weighted causal scores of one chunk.
 
-    q, k, gamma: ``[..., C, K]``; beta: ``[..., C]``. Returns ``A_qk [..., C, C]`` (lower triangle with the
-    diagonal) and ``A_kk [..., C, C]`` (strictly lower, already scaled by beta of the row).
+    q, k: ``[..., C, K]``; gamma: ``[..., C, K]`` float64; beta: ``[..., C]``. Returns ``A_qk [..., C, C]``
+    (lower triangle with the diagonal) and ``A_kk [..., C, C]`` (strictly lower, already scaled by beta of
+    the row), in q's dtype.
     """
-    decay = causal_decay(gamma)
+    decay = causal_decay(gamma, q.dtype)
     k_decayed = decay * k[..., None, :, :]  # [..., i, j, d] = k[j, d] exp(gamma_i - gamma_j)
     A_qk = (q[..., :, None, :] * k_decayed).sum(-1)
     A_kk = (k[..., :, None, :] * k_decayed).sum(-1).tril(-1) * beta[..., :, None]
@@ -53,6 +60,6 @@ def wy_transform(
     """
     C = A_kk.shape[-1]
     system = A_kk + torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
-    rhs = torch.cat([beta[..., None] * gamma.exp() * k, beta[..., None] * v], dim=-1)
+    rhs = torch.cat([beta[..., None] * _exp(gamma, k.dtype) * k, beta[..., None] * v], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     return solved[..., : k.shape[-1]], solved[..., k.shape[-1] :]

@@ -148,7 +148,8 @@ last)
 next)
   # For the next session (nvidia-h200-x2), one call: GPU 1 verifies triton over the whole grid, training
   # included (8 processes, not more: 12 compiling beside a timed GPU starved it), then fla and flashkda;
-  # GPU 0 sweeps the launch settings and runs the forward bench at every shape, then the training modes.
+  # GPU 0 runs the forward bench at every shape first (so that triton's cold start meets an empty Triton
+  # cache), then the launch-setting sweep, then the training modes.
   export KDA_TRITON_EXPERIMENTAL=1
   ( export CUDA_VISIBLE_DEVICES=1
     timeout "$(left 60)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
@@ -158,11 +159,11 @@ next)
       --jobs 8 --work-dir "$W/verify-workers" --json "$W/verify-cuda.json" > "$W/verify-cuda.txt" 2> "$W/verify-cuda.err"
     echo "verify others rc=$?" > "$W/verify-cuda.rc" ) &
   export CUDA_VISIBLE_DEVICES=0
-  timeout "$(left 460)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 B4_T2048_H16_D128 > "$W/sweep.txt" 2>&1
-  cat "$W/sweep.txt"
-  timeout "$(left 200)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+  timeout "$(left 330)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
     --backend fla --backend auto --mode fwd --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
   echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -70
+  timeout "$(left 200)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 B4_T2048_H16_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
   timeout "$(left 40)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
     --mode train_safe --mode train_pregated --shape B4_T2048_H16_D128 --shape B8_T1024_H8_D64 \
     --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"

@@ -14,7 +14,7 @@
 #   probe   the triton backend's first GPU run, every backend's verification, a forward bench (see below)
 #   pair    (nvidia-h200-x2) verification on GPU 1 beside stages, config sweep and bench on GPU 0
 #   last    (one GPU) triton stages, config sweep, forward bench at a few shapes, one training shape
-#   next    (nvidia-h200-x2) what the next session should run first: see the phase
+#   next, next-train   (nvidia-h200-x2) what the next session should run, in two calls: see the phases
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -146,10 +146,12 @@ last)
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 next)
-  # For the next session (nvidia-h200-x2), one call: GPU 1 verifies triton over the whole grid, training
-  # included (8 processes, not more: 12 compiling beside a timed GPU starved it), then fla and flashkda;
-  # GPU 0 runs the forward bench at every shape first (so that triton's cold start meets an empty Triton
-  # cache), then the launch-setting sweep, then the training modes.
+  # For the next session (nvidia-h200-x2), call 1 of 2. GPU 1 verifies triton over the whole grid,
+  # training included (8 processes, not more: 12 compiling beside a timed GPU starved it), then fla and
+  # flashkda. GPU 0 first lets FLA autotune its backward at the training shapes (one process per shape
+  # and mode, side by side: their timings are thrown away, their autotune results kept in state.tgz for
+  # call 2), then runs the forward bench at every shape (triton's cold start meets an empty Triton
+  # cache: nothing compiled triton on this machine before), then the launch-setting sweep.
   export KDA_TRITON_EXPERIMENTAL=1
   ( export CUDA_VISIBLE_DEVICES=1
     timeout "$(left 60)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
@@ -159,17 +161,33 @@ next)
       --jobs 8 --work-dir "$W/verify-workers" --json "$W/verify-cuda.json" > "$W/verify-cuda.txt" 2> "$W/verify-cuda.err"
     echo "verify others rc=$?" > "$W/verify-cuda.rc" ) &
   export CUDA_VISIBLE_DEVICES=0
-  timeout "$(left 330)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+  warming=""
+  for shape in ${TRAIN_SHAPES:-B4_T2048_H16_D128 B8_T1024_H8_D64}; do
+    for mode in train_safe train_pregated; do
+      timeout "$(left 360)" python3 -m kda.bench --backend baseline:fla --shape "$shape" --mode "$mode" --cold-start none \
+        --warmup-ms 5 --rep-ms 20 --rounds 1 --out "$W/warm-$shape-$mode" > "$W/warm-$shape-$mode.txt" 2>&1 &
+      warming="$warming $!"
+    done
+  done
+  wait $warming
+  echo "warm done"; grep -h " ok \| error" "$W"/warm-*.txt | head
+  timeout "$(left 170)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
     --backend fla --backend auto --mode fwd --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
   echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -70
-  timeout "$(left 200)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 B4_T2048_H16_D128 > "$W/sweep.txt" 2>&1
+  timeout "$(left 30)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 B4_T2048_H16_D128 > "$W/sweep.txt" 2>&1
   cat "$W/sweep.txt"
-  timeout "$(left 40)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
-    --mode train_safe --mode train_pregated --shape B4_T2048_H16_D128 --shape B8_T1024_H8_D64 \
-    --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
-  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -30
   wait
   cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt" "$W/verify-cuda.txt"
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+next-train)
+  # Call 2 of 2 (copy call 1's state.tgz to .device/state.tgz first): the training bench, FLA reading the
+  # autotune results call 1 left, triton opted in.
+  export KDA_TRITON_EXPERIMENTAL=1
+  SHAPES=""; for shape in ${TRAIN_SHAPES:-B4_T2048_H16_D128 B8_T1024_H8_D64}; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 20)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
+    --mode train_safe --mode train_pregated $SHAPES --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -30
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;

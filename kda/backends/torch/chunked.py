@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda.backends.torch.intra import _exp, chunk_scores, wy_transform
+from kda.backends.torch.intra import chunk_scores, rounded_exp, wy_transform
 
 
 def chunked_delta_rule(
@@ -60,8 +60,9 @@ def chunked_delta_rule(
         A_qk, A_kk = chunk_scores(q_c, k_c, b_c, gamma)
         W, U = wy_transform(A_kk, k_c, v_c, b_c, gamma)
         v_new = U - W @ S  # [B, HV, C, V]
-        outputs.append(scale * ((q_c * _exp(gamma, q.dtype)) @ S + A_qk @ v_new))
+        outputs.append(scale * ((q_c * rounded_exp(gamma, q.dtype)) @ S + A_qk @ v_new))
         last = gamma[:, :, -1:, :]  # [B, HV, 1, K]
-        S = _exp(last.transpose(-1, -2), q.dtype) * S + (_exp(last - gamma, q.dtype) * k_c).transpose(-1, -2) @ v_new
+        k_late = rounded_exp(last - gamma, q.dtype) * k_c  # exp(Gamma_last - Gamma) K
+        S = rounded_exp(last.transpose(-1, -2), q.dtype) * S + k_late.transpose(-1, -2) @ v_new
     o = torch.cat(outputs, dim=2)[:, :, :T]
     return o, S

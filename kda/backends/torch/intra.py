@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 
-def _exp(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rounded_exp(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``exp`` of a float64 exponent, rounded once to ``dtype`` first (see `chunked`'s docstring)."""
     return exponent.to(dtype).exp()
 
@@ -60,6 +60,6 @@ def wy_transform(
     """
     C = A_kk.shape[-1]
     system = A_kk + torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
-    rhs = torch.cat([beta[..., None] * _exp(gamma, k.dtype) * k, beta[..., None] * v], dim=-1)
+    rhs = torch.cat([beta[..., None] * rounded_exp(gamma, k.dtype) * k, beta[..., None] * v], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     return solved[..., : k.shape[-1]], solved[..., k.shape[-1] :]

@@ -89,7 +89,6 @@ def intra_chunk_kernel(
     i_h = i_hv // (HV // H)
     start = tl.load(chunk_starts + i_c)
     end = tl.minimum(tl.load(chunk_seq_ends + i_c), start + BT)
-    cols = tl.arange(0, BK)
     a_base = (i_c.to(tl.int64) * HV + i_hv) * BT * BT
     sub = tl.arange(0, BC)
 
@@ -132,7 +131,7 @@ def intra_chunk_kernel(
                   SIGMOID, TWO)
     b_all = tl.where(valid, b_all, 0.0)
     k_rows = rows[:, None].to(tl.int64) * (H * K) + i_h * K
-    if L2:  # the rows' norms over the whole head dimension first
+    if L2 and BW < BK:  # rows span several column blocks: their norms over the whole head dimension first
         squares = tl.zeros([BT], dtype=tl.float32)
         for c0 in range(0, BK, BW):
             wcols = c0 + tl.arange(0, BW)
@@ -146,6 +145,8 @@ def intra_chunk_kernel(
         wcols = c0 + tl.arange(0, BW)
         m_w = valid[:, None] & (wcols[None, :] < K)
         k_blk = tl.load(k + k_rows + wcols[None, :], mask=m_w, other=0.0).to(tl.float32)
+        if BW >= BK:  # one block holds whole rows (the shipped setting): normalize as loaded, no extra pass
+            k_blk = _rows_l2(k_blk, L2)
         g_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + wcols[None, :]
         g_blk = tl.load(G + g_off, mask=m_w, other=0.0)
         w_in = k_blk * tl.exp(g_blk) * k_scale[:, None]  # exp(G) <= 1

@@ -2,6 +2,7 @@
 
     python benchmarks/triton_stages.py B1_T8192_H96_D128 [more shapes]
     python benchmarks/triton_stages.py --sweep B1_T8192_H96_D128        # launch-setting variants
+    ncu ... python benchmarks/triton_stages.py --once B1_T8192_H96_D128 # each stage launched once, for a profiler
 
 Prints, per stage, the first call's seconds (compilation included, on a cold Triton cache), the median
 ms (`triton.testing.do_bench`), the bytes it must move at least (reads and writes of its inputs,
@@ -23,22 +24,28 @@ from kda.backends.base import KDAInputs
 from kda.backends.triton import forward as triton_forward_module
 from kda.backends.triton.configs import launch_config
 from kda.backends.triton.forward import plan_forward
+from kda.backends.triton.storage import storage_dtype
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
 
 def stage_bytes(spec: kda.KDASpec, name: str) -> int:
+    """Bytes a stage must read and write at least (each tensor once; the fp32 A_kk/T scratch that the intra
+    kernel writes and reads back twice is counted, since it does not stay in one program's registers)."""
     tokens, HV, H, K, V, C = spec.B * spec.T, spec.HV, spec.H, spec.K, spec.V, spec.chunk_size
     chunks = -(-tokens // C)
     io = spec.dtype.itemsize
-    G = w = tokens * HV * K * 4
-    u = tokens * HV * V * 4
-    A = chunks * HV * C * C * 4
-    h = chunks * HV * K * V * 4
+    store = storage_dtype(spec).itemsize
+    G = tokens * HV * K * 4
+    w = k_g = tokens * HV * K * store
+    u = tokens * HV * V * store
+    A_kk, A_qk = chunks * HV * C * C * 4, chunks * HV * C * C * store
+    h = chunks * HV * K * V * store
+    G_last = chunks * HV * K * 4
     return {
         "gate": tokens * HV * K * io + G,
-        "intra": 2 * tokens * H * K * io + tokens * HV * V * io + G + 2 * 2 * A + w + u,
-        "state": tokens * H * K * io + w + 2 * u + G + h,
-        "output": tokens * H * K * io + G + h + u + A + tokens * HV * V * io,
+        "intra": 2 * tokens * H * K * io + tokens * HV * V * io + G + 3 * A_kk + A_qk + w + k_g + u,
+        "state": w + k_g + G_last + 2 * u + h,
+        "output": tokens * H * K * io + G + h + u + A_qk + tokens * HV * V * io,
     }[name]
 
 
@@ -76,6 +83,10 @@ SWEEP = [
     {"intra_block_w": 64, "intra_stages": 1},
     {"intra_block_w": 64, "intra_stages": 2},
     {"intra_stages": 1},
+    {"state_block_v": 64, "state_warps": 4, "state_stages": 2},
+    {"state_block_v": 64, "state_warps": 8, "state_stages": 2},
+    {"state_block_v": 128, "state_warps": 8, "state_stages": 1},
+    {"output_block_v": 64, "output_warps": 4},
 ]
 
 
@@ -101,8 +112,22 @@ def sweep(names: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+def once(names: list[str]) -> None:
+    """Each stage launched once, nothing timed: the run a profiler (ncu) attaches to."""
+    for name in names or ["B1_T8192_H96_D128"]:
+        inputs = make_inputs(BenchShape.parse(name), MODES["fwd"], "cuda", seed=0)
+        spec = kda.KDASpec.from_call(**inputs.kwargs)
+        call = KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+        stages, _ = plan_forward(call, spec)
+        for _, launch in stages:
+            launch()
+        torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--sweep"]:
         sweep(sys.argv[2:])
+    elif sys.argv[1:2] == ["--once"]:
+        once(sys.argv[2:])
     else:
         main(sys.argv[1:])

@@ -35,10 +35,10 @@ def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kda.backends.triton import forward, gate, intra, output, state
+    from kda.backends.triton import forward, gate, intra, output, state, storage
 
     if not isinstance(gate.gate_cumsum_kernel, InterpretedFunction):
-        for module in (gate, intra, state, output, forward):  # kernels first, then what imports them
+        for module in (storage, gate, intra, state, output, forward):  # helpers, kernels, then what imports them
             importlib.reload(module)
     assert isinstance(forward.output_kernel, InterpretedFunction)
     kda.registry._reset_for_tests()

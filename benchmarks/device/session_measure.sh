@@ -15,6 +15,7 @@
 #   pair    (nvidia-h200-x2) verification on GPU 1 beside stages, config sweep and bench on GPU 0
 #   last    (one GPU) triton stages, config sweep, forward bench at a few shapes, one training shape
 #   next, next-train   (nvidia-h200-x2) what the next session should run, in two calls: see the phases
+#   s4      (nvidia-h200-x2) session 4: verify triton (GPU 1); stages, ncu, forward bench, sweep (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -188,6 +189,41 @@ next-train)
   timeout "$(left 20)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
     --mode train_safe --mode train_pregated $SHAPES --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
   echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -30
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s4)
+  # Session 4, call 1 (nvidia-h200-x2): the forward with intermediates stored in the inputs' dtype.
+  # GPU 1: triton verified over the whole grid, training included, then FLA's backward autotuned at the
+  # training shapes for call 2 (timings thrown away, autotune results kept in state.tgz). GPU 0, one
+  # process at a time: per-stage times, one Nsight Compute pass over the forward's four kernels, the
+  # forward bench at every shape, then the launch-setting sweep.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 200)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 8 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc"
+    for mode in train_safe train_pregated; do
+      timeout "$(left 40)" python3 -m kda.bench --backend baseline:fla --shape "${TRAIN_SHAPE:-B4_T2048_H16_D128}" \
+        --mode "$mode" --cold-start none --warmup-ms 5 --rep-ms 20 --rounds 1 --out "$W/warm-$mode" > "$W/warm-$mode.txt" 2>&1 &
+    done
+    wait ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 480)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B4_T2048_H16_D128 B8_T1024_H8_D64 \
+    > "$W/stages.txt" 2>&1
+  grep -E "ms|first" "$W/stages.txt"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "$(left 400)" "$NCU" --clock-control none --kernel-name regex:'gate_cumsum|intra_chunk|state_pass|output_kernel' \
+    --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats \
+    python3 benchmarks/triton_stages.py --once B1_T8192_H96_D128 > "$W/ncu.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "^  [a-z_]+kernel|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Compute \(SM\) Thr" "$W/ncu.txt" | head -60
+  timeout "$(left 120)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+    --backend fla --backend auto --mode fwd --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -70
+  timeout "$(left 25)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  wait
+  cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt"; grep -h " ok \| error" "$W"/warm-*.txt | head
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;

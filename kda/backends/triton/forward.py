@@ -2,9 +2,10 @@
 
 Shapes on the flattened token axis (``tokens = B*T``, or ``T`` with varlen): q, k ``[tokens, H, K]``,
 v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
-Intermediates (fp32): ``G [tokens, HV, K]``, ``w [tokens, HV, K]``, ``u [tokens, HV, V]`` (then
-``v_new``, in place), ``A_kk`` (then ``T``) and ``A_qk [NT, HV, C, C]``, ``h [NT, HV, K, V]`` (the state
-entering each chunk).
+Intermediates: ``G [tokens, HV, K]`` and ``A_kk`` (then ``T``) ``[NT, HV, C, C]`` in fp32; in the storage
+dtype (`storage.storage_dtype`: the inputs' dtype at inference, fp32 when training) ``w``, ``k_g
+[tokens, HV, K]``, ``u [tokens, HV, V]`` (then ``v_new``, in place), ``A_qk [NT, HV, C, C]`` and ``h [NT,
+HV, K, V]`` (the state entering each chunk).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kerne
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
 from kda.backends.triton.state import state_pass_kernel
+from kda.backends.triton.storage import storage_dtype
 from kda.errors import KDAInputError
 from kda.spec import GateMode, KDASpec, cu_seqlens_violation
 
@@ -70,13 +72,15 @@ def plan_forward(
     q, k, v, g, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
     A_log = None if inputs.A_log is None else inputs.A_log.contiguous()
     dt_bias = None if inputs.dt_bias is None else inputs.dt_bias.reshape(-1).contiguous()
-    f32 = torch.float32
+    f32, store = torch.float32, storage_dtype(spec)
     G = torch.empty(tokens, HV, K, dtype=f32, device=device)
-    w = torch.empty(tokens, HV, K, dtype=f32, device=device)
-    u = torch.empty(tokens, HV, V, dtype=f32, device=device)  # u, then v_new (stage 3 writes over it)
+    w = torch.empty(tokens, HV, K, dtype=store, device=device)
+    k_g = torch.empty(tokens, HV, K, dtype=store, device=device)
+    u = torch.empty(tokens, HV, V, dtype=store, device=device)  # u, then v_new (stage 3 writes over it)
     A_kk = torch.empty(max(NT, 1), HV, C, C, dtype=f32, device=device)
-    A_qk = torch.empty_like(A_kk)
-    h = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
+    A_qk = torch.empty(max(NT, 1), HV, C, C, dtype=store, device=device)
+    h = torch.empty(max(NT, 1), HV, K, V, dtype=store, device=device)
+    ROUND = interpreting()  # bf16 stores round by hand under the interpreter (see `storage`)
     save = spec.requires_grad  # training keeps M (A_kk without beta) and T (written over A_kk) for the backward
     M = torch.empty_like(A_kk) if save else None
     o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=spec.dtype,
@@ -100,27 +104,27 @@ def plan_forward(
 
     def intra_stage() -> None:
         intra_chunk_kernel[(NT, HV)](
-            q, k, v, beta, G, A_kk, A_qk, M if save else G, w, u,
+            q, k, v, beta, G, A_kk, A_qk, M if save else G, w, u, k_g,
             layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
             BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all),
-            DOT_PRECISION=precision, SAVE=save,
+            DOT_PRECISION=precision, SAVE=save, ROUND=ROUND,
             num_warps=config.intra_warps, num_stages=config.intra_stages,
         )
 
     def state_stage() -> None:
         state_pass_kernel[(N, HV, triton.cdiv(V, BV))](
-            k, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
+            k_g, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
             layout.bounds, layout.chunk_offsets,
-            H=H, HV=HV, K=K, V=V, L2=L2, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-            V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision,
+            HV=HV, K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+            V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision, ROUND=ROUND,
             num_warps=config.state_warps, num_stages=config.state_stages,
         )
 
     def output_stage() -> None:
         output_kernel[(NT, HV, triton.cdiv(V, BVo))](
             q, G, h, u, A_qk, o, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
-            H=H, HV=HV, K=K, V=V, L2=L2, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision,
+            H=H, HV=HV, K=K, V=V, L2=L2, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision, ROUND=ROUND,
             num_warps=config.output_warps,
         )
 

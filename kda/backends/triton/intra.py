@@ -8,8 +8,10 @@ in-chunk cumulative log decay of stage 1 and ``beta`` after its activation::
     T = (I + A_kk)^-1                                 (unit lower triangular)
     w = T @ (beta * k * exp(G))        [C, K]
     u = T @ (beta * v)                 [C, V]
+    k_g = k * exp(G_C - G)             [C, K]      (G_C: the chunk's last row; every exponent <= 0)
 
-so that the chunk's new values are ``u - w @ S0`` for the state ``S0`` before the chunk (stage 3).
+so that the chunk's new values are ``u - w @ S0`` for the state ``S0`` before the chunk, and its
+contribution to the next state is ``k_g^T @ v_new`` (stage 3, which then reads no ``k`` and no ``G`` rows).
 
 Overflow. ``G`` falls without bound inside a chunk (pre-gated and softplus gates have no floor), so
 ``exp(G_i - G_j)`` is never split as ``exp(G_i) * exp(-G_j)`` over the whole chunk. The chunk is cut
@@ -34,14 +36,17 @@ substitution on ``[16, 16]`` tiles, then the blocks below the diagonal from the 
 with matrix products. ``T`` is written over ``A_kk`` in place (row block by row block, increasing ``J``:
 every ``A_Im`` still needed is still there) and then read back whole for ``w`` and ``u``.
 
-Grid ``(NT, HV)``. A_kk (then T) and A_qk blocks go through ``[NT, HV, C, C]`` fp32 buffers (A_qk is
-kept for stage 4; T and M for the backward).
+Grid ``(NT, HV)``. A_kk (then T) blocks go through an ``[NT, HV, C, C]`` fp32 buffer (T and M are kept
+for the backward). A_qk (kept for stage 4), ``w``, ``u`` and ``k_g`` are stored in the dtype `storage`
+chooses: the inputs' dtype at inference, fp32 when training.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kda.backends.triton.storage import stored
 
 SUB_CHUNK = 16  # rows per sub-chunk (the kernels' BC): the smallest tile tl.dot takes
 DOT_SPAN = tl.constexpr(80.0)  # largest decay span a diagonal block takes by product: e^80 = 5.5e34 < fp32 max
@@ -75,15 +80,17 @@ def _beta(b, SIGMOID: tl.constexpr, TWO: tl.constexpr):
 def intra_chunk_kernel(
     q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
     G,  # [tokens, HV, K] fp32 (stage 1)
-    A_kk, A_qk,  # [NT, HV, BT, BT] fp32 out: T = (I + A_kk)^-1 (written over A_kk), and A_qk
+    A_kk,  # [NT, HV, BT, BT] fp32 out: T = (I + A_kk)^-1 (written over A_kk)
+    A_qk,  # [NT, HV, BT, BT] out (storage dtype)
     M_out,  # [NT, HV, BT, BT] fp32 out for training: A_kk without beta (or a dummy)
-    w, u,  # [tokens, HV, K], [tokens, HV, V] fp32 out
+    w, u, k_g,  # [tokens, HV, K], [tokens, HV, V], [tokens, HV, K] out (storage dtype)
     chunk_starts, chunk_seq_ends,  # [NT] int32
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
     BW: tl.constexpr,  # columns of w and u per product (a power of 2 dividing BK and BV)
     DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
+    ROUND: tl.constexpr,  # round bf16 stores by hand (the interpreter truncates; see `storage`)
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -97,7 +104,7 @@ def intra_chunk_kernel(
         out_rows = (I * BC + sub)[:, None] * BT
         if start + I * BC < end:
             _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
-                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE)
+                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE, ROUND)
         else:  # the sub-chunk lies past the sequence's end: zero rows
             zero = tl.zeros([BC, BC], dtype=tl.float32)
             for J in range(BT // BC):
@@ -122,7 +129,7 @@ def intra_chunk_kernel(
     r = tl.arange(0, BT)
     t_inv = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])  # blocks above the diagonal hold zeros
 
-    # ---- w = T (beta k exp(G)),  u = T (beta v), BW columns at a time ---------------------------------
+    # ---- w = T (beta k exp(G)),  u = T (beta v),  k_g = k exp(G_C - G), BW columns at a time ----------
     # Column blocks keep each product's operands small: the kernel is latency-bound (a program's steps wait
     # on each other), so shared memory per program decides how many programs share an SM.
     rows = start + r
@@ -138,25 +145,31 @@ def intra_chunk_kernel(
             k_blk = tl.load(k + k_rows + wcols[None, :], mask=valid[:, None] & (wcols[None, :] < K), other=0.0)
             k_blk = k_blk.to(tl.float32)
             squares += tl.sum(k_blk * k_blk, axis=1)
-        k_scale = b_all * tl.rsqrt(squares + 1e-6)  # eps as kda.reference.l2norm
-    else:
-        k_scale = b_all
+        k_norm = tl.rsqrt(squares + 1e-6)  # eps as kda.reference.l2norm
+    else:  # no l2norm, or rows normalized as loaded below
+        k_norm = tl.full([BT], 1.0, tl.float32)
+    g_last_row = G + (end - 1).to(tl.int64) * (HV * K) + i_hv * K  # G_C: the chunk's last token
     for c0 in range(0, BK, BW):
         wcols = c0 + tl.arange(0, BW)
         m_w = valid[:, None] & (wcols[None, :] < K)
         k_blk = tl.load(k + k_rows + wcols[None, :], mask=m_w, other=0.0).to(tl.float32)
         if BW >= BK:  # one block holds whole rows (the shipped setting): normalize as loaded, no extra pass
             k_blk = _rows_l2(k_blk, L2)
+        else:
+            k_blk = k_blk * k_norm[:, None]
         g_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + wcols[None, :]
         g_blk = tl.load(G + g_off, mask=m_w, other=0.0)
-        w_in = k_blk * tl.exp(g_blk) * k_scale[:, None]  # exp(G) <= 1
-        tl.store(w + g_off, tl.dot(t_inv, w_in, input_precision=DOT_PRECISION), mask=m_w)
+        w_in = k_blk * tl.exp(g_blk) * b_all[:, None]  # exp(G) <= 1
+        tl.store(w + g_off, stored(tl.dot(t_inv, w_in, input_precision=DOT_PRECISION), w, ROUND), mask=m_w)
+        g_last = tl.load(g_last_row + wcols, mask=wcols < K, other=0.0)
+        k_late = k_blk * tl.exp(tl.where(m_w, g_last[None, :] - g_blk, 0.0))  # exp(G_C - G) <= 1
+        tl.store(k_g + g_off, stored(k_late, k_g, ROUND), mask=m_w)
     for c0 in range(0, BV, BW):
         vcols = c0 + tl.arange(0, BW)
         m_v = valid[:, None] & (vcols[None, :] < V)
         v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
         v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
-        tl.store(u + v_off, tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), mask=m_v)
+        tl.store(u + v_off, stored(tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), u, ROUND), mask=m_v)
 
 @triton.jit
 def _block_offsets(I, J, BT: tl.constexpr, BC: tl.constexpr):
@@ -182,7 +195,8 @@ def _unit_lower_inverse(a, BC: tl.constexpr):
 def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
                      SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr):
+                     BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
+                     ROUND: tl.constexpr):
     """Rows ``I*16 .. I*16+15`` of A_kk and A_qk (the first of them inside the sequence)."""
     cols = tl.arange(0, BK)
     sub = tl.arange(0, BC)
@@ -220,7 +234,7 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             if SAVE:
                 tl.store(M_out + out_off, kk)
             tl.store(A_kk + out_off, kk * b_i[:, None])
-            tl.store(A_qk + out_off, qk)
+            tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
         elif J == I:
             causal = sub[:, None] >= sub[None, :]
             strict = sub[:, None] > sub[None, :]
@@ -242,7 +256,7 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             if SAVE:
                 tl.store(M_out + out_off, kk)
             tl.store(A_kk + out_off, kk * b_i[:, None])
-            tl.store(A_qk + out_off, qk)
+            tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
         else:
             zero = tl.zeros([BC, BC], dtype=tl.float32)
             tl.store(A_kk + out_off, zero)

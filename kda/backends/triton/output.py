@@ -14,21 +14,22 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.intra import _inv_norm
+from kda.backends.triton.storage import stored
 
 
 @triton.jit
 def output_kernel(
     q,  # [tokens, H, K]
     G,  # [tokens, HV, K] fp32
-    h,  # [NT, HV, K, V] fp32
-    v_new,  # [tokens, HV, V] fp32
-    A_qk,  # [NT, HV, BT, BT] fp32
+    h,  # [NT, HV, K, V] (storage dtype, as the next two)
+    v_new,  # [tokens, HV, V]
+    A_qk,  # [NT, HV, BT, BT]
     o,  # [tokens, HV, V] out, in q's dtype
     chunk_starts, chunk_seq_ends,  # [NT] int32
     scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
 ):
     i_c, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -47,9 +48,9 @@ def output_kernel(
     g_c = tl.load(G + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :], mask=m_k, other=0.0)
     q_c = q_c * _inv_norm(q_c, L2)[:, None] * tl.exp(g_c)
     h_c = tl.load(h + (i_c.to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :],
-                  mask=(kcols[:, None] < K) & (vcols[None, :] < V), other=0.0)
+                  mask=(kcols[:, None] < K) & (vcols[None, :] < V), other=0.0).to(tl.float32)
     v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
-    d_c = tl.load(v_new + v_off, mask=m_v, other=0.0)
-    a_qk = tl.load(A_qk + (i_c.to(tl.int64) * HV + i_hv) * BT * BT + r[:, None] * BT + r[None, :])
+    d_c = tl.load(v_new + v_off, mask=m_v, other=0.0).to(tl.float32)
+    a_qk = tl.load(A_qk + (i_c.to(tl.int64) * HV + i_hv) * BT * BT + r[:, None] * BT + r[None, :]).to(tl.float32)
     out = tl.dot(q_c, h_c, input_precision=DOT_PRECISION) + tl.dot(a_qk, d_c, input_precision=DOT_PRECISION)
-    tl.store(o + v_off, (out * scale).to(o.dtype.element_ty), mask=m_v)
+    tl.store(o + v_off, stored(out * scale, o, ROUND), mask=m_v)

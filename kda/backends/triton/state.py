@@ -1,12 +1,15 @@
 """Stage 3: the pass over chunks (the only serial part).
 
 One program per (sequence, value head, block of V columns) walks its sequence's chunks in order,
-holding the state ``S [K, BV]`` in registers (fp32). For each chunk, with ``w, u`` from stage 2 and ``G``
-from stage 1 (``G_C`` = the chunk's last row)::
+holding the state ``S [K, BV]`` in registers (fp32). For each chunk, with ``w, u, k_g = k exp(G_C - G)``
+from stage 2 and ``G_C`` the last row of stage 1's ``G`` (the only row of ``G`` it reads)::
 
     h[chunk] = S                                                  the state entering the chunk
     v_new    = u - w @ S                                          [C, BV]   the chunk's deltas (over u)
-    S        = exp(G_C)[:, None] * S + (k * exp(G_C - G))^T @ v_new          (every exponent <= 0)
+    S        = exp(G_C)[:, None] * S + k_g^T @ v_new                           (every exponent <= 0)
+
+``w``, ``k_g``, ``u`` arrive and ``h``, ``v_new`` leave in the storage dtype (`storage`); ``S`` and
+``v_new`` stay fp32 in registers, so the recurrence itself never reads back a rounded value.
 
 ``S`` starts from the initial state (either layout) or zero and ends as the final state. The output
 needs ``h`` and ``v_new`` and no order between chunks, so it is computed in stage 4 (`output`), in
@@ -18,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda.backends.triton.intra import _inv_norm
+from kda.backends.triton.storage import stored
 
 
 @triton.jit
@@ -34,21 +37,20 @@ def state_tile(i_n, i_hv, kcols, vcols, HV: tl.constexpr, K: tl.constexpr, V: tl
 
 @triton.jit
 def state_pass_kernel(
-    k,  # [tokens, H, K]
-    w,  # [tokens, HV, K] fp32 (stage 2)
-    u,  # [tokens, HV, V] fp32 (stage 2) in, v_new out (in place)
-    G,  # [tokens, HV, K] fp32 (stage 1)
-    h,  # [NT, HV, K, V] fp32 out: the state entering each chunk
+    k_g,  # [tokens, HV, K] (stage 2): k exp(G_C - G)
+    w,  # [tokens, HV, K] (stage 2)
+    u,  # [tokens, HV, V] (stage 2) in, v_new out (in place)
+    G,  # [tokens, HV, K] fp32 (stage 1): only each chunk's last row is read
+    h,  # [NT, HV, K, V] out: the state entering each chunk
     h0, ht,  # [N, HV, K, V] (or [N, HV, V, K] with V_FIRST) fp32, or dummies
     bounds,  # [N+1] int32 sequence boundaries on the token axis
     chunk_offsets,  # [N] int32 first chunk of each sequence
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, V_FIRST: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, V_FIRST: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
 ):
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     bos = tl.load(bounds + i_n)
     eos = tl.load(bounds + i_n + 1)
     first_chunk = tl.load(chunk_offsets + i_n)
@@ -72,19 +74,15 @@ def state_pass_kernel(
         v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
 
         h_off = ((first_chunk + c).to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :]
-        tl.store(h + h_off, S, mask=state_mask)
+        tl.store(h + h_off, stored(S, h, ROUND), mask=state_mask)
 
-        w_c = tl.load(w + k_off, mask=m_k, other=0.0)
-        v_new = tl.load(u + v_off, mask=m_v, other=0.0) - tl.dot(w_c, S, input_precision=DOT_PRECISION)
-        tl.store(u + v_off, v_new, mask=m_v)
+        w_c = tl.load(w + k_off, mask=m_k, other=0.0).to(tl.float32)
+        v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) - tl.dot(w_c, S, input_precision=DOT_PRECISION)
+        tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
 
-        g_c = tl.load(G + k_off, mask=m_k, other=0.0)
         last = tl.minimum(start + BT, eos) - 1
         g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
-        k_c = tl.load(k + rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :], mask=m_k,
-                      other=0.0).to(tl.float32)
-        k_c = k_c * _inv_norm(k_c, L2)[:, None]
-        k_c = k_c * tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
+        k_c = tl.load(k_g + k_off, mask=m_k, other=0.0).to(tl.float32)
         S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_c), v_new, input_precision=DOT_PRECISION)
 
     if STORE_HT:

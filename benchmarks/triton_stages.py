@@ -72,21 +72,19 @@ def main(names: list[str]) -> None:
 # Launch-config variants for `--sweep` (the serial state pass and the output are the config-sensitive stages).
 SWEEP = [
     {},
-    {"state_warps": 4},
-    {"state_block_v": 16, "state_warps": 4},
-    {"state_block_v": 64, "state_warps": 8, "state_stages": 1},
-    {"state_stages": 1},
-    {"output_warps": 4},
-    {"output_block_v": 128, "output_warps": 8},
-    {"output_block_v": 32, "output_warps": 4},
+    {"intra_block_w": 32},
+    {"intra_block_w": 128},
+    {"intra_stages": 2},
     {"intra_warps": 8},
-    {"intra_block_w": 64, "intra_stages": 1},
-    {"intra_block_w": 64, "intra_stages": 2},
-    {"intra_stages": 1},
-    {"state_block_v": 64, "state_warps": 4, "state_stages": 2},
-    {"state_block_v": 64, "state_warps": 8, "state_stages": 2},
-    {"state_block_v": 128, "state_warps": 8, "state_stages": 1},
-    {"output_block_v": 64, "output_warps": 4},
+    {"intra_warps": 2},
+    {"state_warps": 2},
+    {"state_block_v": 128, "state_warps": 4, "state_stages": 1},
+    {"state_block_v": 32, "state_warps": 4},
+    {"output_block_v": 128},
+    {"output_block_v": 32},
+    {"output_warps": 2},
+    {"gate_block_k": 64},
+    {"gate_block_k": 16, "gate_warps": 2},
 ]
 
 

@@ -1,6 +1,7 @@
 """Launch settings change how the triton kernels tile the work, never the numbers: every variant that
 `benchmarks/triton_stages.py --sweep` may time is run here, in Triton's interpreter, against the float64
-reference (column blocks of w and u narrower than the head dims, narrow state and output V blocks)."""
+reference (column blocks of w and u narrower than the head dims, narrow state and output V blocks, the gate
+cumsum split over column blocks)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from kda.spec import GateMode  # noqa: E402
 from kda.verify.check import run_case  # noqa: E402
 
 VARIANTS = [
-    {"intra_block_w": 16, "intra_stages": 1},
-    {"intra_block_w": 16, "state_block_v": 16, "output_block_v": 16},
+    {"intra_block_w": 16, "intra_stages": 1, "gate_block_k": 16},
+    {"intra_block_w": 16, "state_block_v": 16, "output_block_v": 16, "gate_block_k": 8},
 ]
 
 

@@ -16,6 +16,8 @@
 #   last    (one GPU) triton stages, config sweep, forward bench at a few shapes, one training shape
 #   next, next-train   (nvidia-h200-x2) what the next session should run, in two calls: see the phases
 #   s4      (nvidia-h200-x2) session 4: verify triton (GPU 1); stages, ncu, forward bench, sweep (GPU 0)
+#   s4b     (nvidia-h200-x2) session 4's second call: quick verify + training bench (GPU 1); stages, sweep,
+#           forward bench at eight shapes (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -224,6 +226,33 @@ s4)
   cat "$W/sweep.txt"
   wait
   cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt"; grep -h " ok \| error" "$W"/warm-*.txt | head
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s4b)
+  # Session 4, call 2 (nvidia-h200-x2), after the product inverse and the sweep's settings. GPU 1: quick
+  # verification of triton (training included), then the training bench at one shape. GPU 0: stages,
+  # sweep, then the forward bench at the six dense shapes and two varlen ones.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 280)" python3 -m kda.verify --backend triton --quick --with-bench-classes --jobs 8 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc"
+    timeout "$(left 15)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
+      --shape "${TRAIN_SHAPE:-B4_T2048_H16_D128}" --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+    echo "bench train rc=$?" > "$W/bench-train.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 480)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B4_T2048_H16_D128 B8_T1024_H8_D64 \
+    > "$W/stages.txt" 2>&1
+  grep -E "ms|first" "$W/stages.txt"
+  timeout "$(left 330)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  SHAPES=""; for shape in B1_T8192_H96_D128 B2_T16384_H16_D128 B4_T2048_H16_D128 B4_T4096_H64_D128 B8_T2048_H32_D256 \
+    B8_T1024_H8_D64 varlen_H64_D128_L8192 varlen_H96_D128_L1024x8; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 15)" python3 -m kda.bench --tune --backend baseline:fla --backend baseline:flashkda --backend triton \
+    --backend auto --mode fwd $SHAPES --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -50
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;

@@ -25,26 +25,32 @@ class LaunchConfig:
     # Its V loop pipelined 2 deep, not Triton's default 3: compiled for sm90, 213 KB of shared memory at
     # K = 256 (3 stages: 287 KB, over Hopper's 227 KB; 1 stage: 233 KB) and 115 KB at K = 128 (156 KB).
     backward_stages: int = 2
+    gate_block_k: int = 32  # K columns per program of the gate cumsum (reasoned: not yet swept)
+    gate_warps: int = 4
 
 
-# sm90, K <= 128: measured on an H200 on 2026-11-29 (`benchmarks/triton_stages.py --sweep`, forward at
-# B1_T8192_H96_D128; benchmarks/results/nvidia-h200/2026-11-29/session3/sweep.txt). Per stage, ms:
-#   shipped (BV 32, 8 warps, 2 stages; output BV 64, 8 warps; intra 8 warps): intra 4.96, state 2.02, output 1.04
-#   intra 4 warps: intra 2.87 (kept)            state 4 warps: 2.05      state BV 16, 4 warps: 3.87
-#   state BV 64, 1 stage: 2.05                  state 1 stage: 2.65      output 4 warps: 1.04
-#   output BV 128: 1.33                         output BV 32, 4 warps: 1.59
-# Not yet swept: intra_block_w = 64 with intra_stages = 1 (32 KB of shared memory at K = 128 instead of
-# 48 KB, so more programs per SM for a latency-bound kernel; `--sweep` times it). K > 128 keeps reasoned
-# values (not swept). Shared memory, from compiling for sm90 on a CPU
-# (tests/test_triton_compile.py): the state pass at C = 64 needs 57 KB with 1 pipeline stage, 148 KB with
-# 2, 222 KB with 3 at K = 128, and 106 / 280 / 420 KB at K = 256, against 227 KB per block on Hopper:
-# 2 stages up to K = 128, 1 above.
+# sm90, K <= 128: measured on an H200 (`benchmarks/triton_stages.py --sweep`, forward at B1_T8192_H96_D128,
+# ms per stage; benchmarks/results/nvidia-h200/2026-11-29/).
+# Session 4 (intermediates in the inputs' dtype; session4/sweep.txt), from the settings then shipped
+# (state BV 32, 8 warps, 2 stages; output BV 64, 8 warps; intra 4 warps, whole rows, 3 stages):
+#   shipped: intra 3.14, state 1.35, output 1.21
+#   state BV 64, 4 warps, 2 stages: 0.72 (kept)   state BV 64, 8 warps: 1.03   state 4 warps: 1.10
+#   state BV 128, 1 stage: 1.03                    state BV 16, 4 warps: 1.46    state 1 stage: 1.54
+#   output 4 warps: 0.83 (kept)                    output BV 128: 1.20           output BV 32, 4 warps: 1.37
+#   intra column blocks of 64, 1 stage: 2.75 (kept)   of 64, 2 stages: 2.87      intra 8 warps: 4.79
+# Nsight Compute on the same run: every kernel at 12.5% occupancy, held by registers (intra 255 a thread,
+# state 186, output 141 at 8 warps), so fewer warps or narrower tiles win. Session 3 (fp32
+# intermediates): intra 4 warps 2.87 against 8 warps 4.96. K > 128 keeps reasoned values (not swept).
+# Shared memory, from compiling for sm90 on a CPU (`python -m kda.backends.triton.aot`) against 227 KB per
+# block on Hopper: every kernel fits at K = 128 and 256 with these settings.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
-    9: {"small": LaunchConfig(32, 8, 4, 64, 8, 2, measured=True), "large": LaunchConfig(32, 8, 8, 32, 8, 1)},
+    9: {"small": LaunchConfig(64, 4, 4, 64, 4, 2, measured=True, intra_block_w=64, intra_stages=1),
+        "large": LaunchConfig(32, 8, 8, 32, 8, 1)},
 }
 # Other architectures: sm90's choices, unmeasured there (at K > 128 the intra kernel keeps 8 warps: its
 # [C, K] fp32 tiles would need ~128 registers a thread with 4).
-_DEFAULT = {"small": LaunchConfig(32, 8, 4, 64, 8, 2), "large": LaunchConfig(32, 8, 8, 32, 8, 1)}
+_DEFAULT = {"small": LaunchConfig(64, 4, 4, 64, 4, 2, intra_block_w=64, intra_stages=1),
+            "large": LaunchConfig(32, 8, 8, 32, 8, 1)}
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:

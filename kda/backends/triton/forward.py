@@ -93,13 +93,15 @@ def plan_forward(
     gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SAFE: SAFE}[spec.gate_mode]
     BV = min(config.state_block_v, BV_all)
     BVo = min(config.output_block_v, BV_all)
+    BKg = min(config.gate_block_k, BK)
     L2 = spec.use_qk_l2norm_in_kernel
 
     def gate_stage() -> None:
-        gate_cumsum_kernel[(NT, HV)](
+        gate_cumsum_kernel[(NT, HV, triton.cdiv(K, BKg))](
             g, A_log if A_log is not None else G, dt_bias if dt_bias is not None else G, G,
             layout.chunk_starts, layout.chunk_seq_ends, float(spec.lower_bound or 0.0),
-            HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BK,
+            HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BKg,
+            num_warps=config.gate_warps,
         )
 
     def intra_stage() -> None:

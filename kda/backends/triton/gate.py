@@ -8,7 +8,9 @@ Per value head ``hv`` and chunk, with ``x = g + dt_bias[hv]``::
 
     G_t = sum_{s <= t, s in chunk} a_s          (fp32; non-increasing in t, G <= 0)
 
-Grid ``(NT, HV)``; one program loads the chunk's ``[C, K]`` gate inputs once and writes ``G`` once.
+Grid ``(NT, HV, K / BK)``: the sum runs down each column on its own, so a program takes ``BK`` columns
+(a whole ``[C, K]`` tile took 196 registers a thread at K = 128, which left one program per SM scheduler),
+loads the chunk's gate inputs once and writes ``G`` once.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ def gate_cumsum_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(chunk_starts + i_c)
     end = tl.minimum(tl.load(chunk_seq_ends + i_c), start + BT)
     rows = start + tl.arange(0, BT)
-    cols = tl.arange(0, BK)
+    cols = i_k * BK + tl.arange(0, BK)
     mask = (rows[:, None] < end) & (cols[None, :] < K)
     offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     x = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)

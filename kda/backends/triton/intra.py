@@ -28,8 +28,8 @@ The safe gate (``lower_bound >= -5``) always qualifies: 15 steps of at most 5. A
 span (unbounded pre-gated or softplus gates) takes the exact element-by-element path instead, with the
 exponent masked to -inf above the diagonal before ``exp``.
 
-The inverse works on 16-row blocks too: each diagonal block ``D_I = (I + A_II)^-1`` by forward
-substitution on ``[16, 16]`` tiles, then the blocks below the diagonal from the block recurrence
+The inverse works on 16-row blocks too: each diagonal block ``D_I = (I + A_II)^-1`` by products on
+``[16, 16]`` tiles (`_unit_lower_inverse`), then the blocks below the diagonal from the block recurrence
 
     T_IJ = -D_I  sum_{J <= m < I} A_Im T_mJ                    (J < I, in increasing J)
 
@@ -180,15 +180,26 @@ def _block_offsets(I, J, BT: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(a, BC: tl.constexpr):
-    """``(I + a)^-1`` for a strictly lower triangular ``a [BC, BC]``, by forward substitution:
-    row i of the inverse is ``e_i - sum_{c < i} a[i, c] * row c`` (rows before i are final)."""
+    """``(I + a)^-1`` for a strictly lower triangular ``a [BC, BC]`` (BC = 16), by products, not by a
+    16-step substitution.
+
+    ``n = -a`` is nilpotent (``n^16 = 0``), so ``(I + a)^-1 = sum_{k<16} n^k = (I + n)(I + n^2)(I + n^4)
+    (I + n^8)``: three squarings and three products. The powers can be larger than the inverse itself
+    (correlated keys: entries of ``n^8`` up to ``C(14, 7) |a|^8``) and the sum then cancels, so one Newton
+    step follows, ``X + X (I - (I + a) X)``, whose products involve only ``X``-sized values: it brings the
+    error back to that of forming ``(I + a) X`` in fp32. Every product is exact fp32 (``ieee``): on
+    ``[16, 16]`` tiles that is 32 multiply-adds a thread, where the substitution's 15 dependent steps, each a
+    reduction across warps, dominated the kernel (measured on the H200: 8 warps made it 1.5x slower)."""
     r = tl.arange(0, BC)
-    t = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, BC):
-        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)  # a[i, :], zero from column i on
-        new_row = tl.where(r == i, 1.0, 0.0) - tl.sum(a_row[:, None] * t, axis=0)
-        t = tl.where(r[:, None] == i, new_row[None, :], t)
-    return t
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    n = -a
+    x = eye + n
+    power = n
+    for _ in tl.static_range(3):  # n^2, n^4, n^8 (BC = 16)
+        power = tl.dot(power, power, input_precision="ieee")
+        x = x + tl.dot(x, power, input_precision="ieee")
+    residual = eye - x - tl.dot(a, x, input_precision="ieee")  # I - (I + a) X
+    return x + tl.dot(x, residual, input_precision="ieee")
 
 
 @triton.jit

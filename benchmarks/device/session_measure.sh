@@ -18,6 +18,7 @@
 #   s4      (nvidia-h200-x2) session 4: verify triton (GPU 1); stages, ncu, forward bench, sweep (GPU 0)
 #   s4b     (nvidia-h200-x2) session 4's second call: quick verify + training bench (GPU 1); stages, sweep,
 #           forward bench at eight shapes (GPU 0)
+#   s4c     (one GPU) session 4's third call: K = 256 stages and sweep, forward bench at every shape
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -253,6 +254,19 @@ s4b)
   echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -50
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s4c)
+  # Session 4, call 3 (one GPU): the K = 256 settings (stages, sweep at B8_T2048_H32_D256), then the
+  # forward bench at every shape with the final settings (FLA re-measured in the same process).
+  export KDA_TRITON_EXPERIMENTAL=1
+  timeout "$(left 420)" python3 benchmarks/triton_stages.py B8_T2048_H32_D256 B1_T8192_H96_D128 > "$W/stages.txt" 2>&1
+  grep -E "ms|first" "$W/stages.txt"
+  timeout "$(left 300)" python3 benchmarks/triton_stages.py --sweep B8_T2048_H32_D256 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  timeout "$(left 15)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
+    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -50
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;

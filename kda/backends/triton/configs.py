@@ -37,20 +37,29 @@ class LaunchConfig:
 #   state BV 64, 4 warps, 2 stages: 0.72 (kept)   state BV 64, 8 warps: 1.03   state 4 warps: 1.10
 #   state BV 128, 1 stage: 1.03                    state BV 16, 4 warps: 1.46    state 1 stage: 1.54
 #   output 4 warps: 0.83 (kept)                    output BV 128: 1.20           output BV 32, 4 warps: 1.37
-#   intra column blocks of 64, 1 stage: 2.75 (kept)   of 64, 2 stages: 2.87      intra 8 warps: 4.79
+#   intra column blocks of 64, 1 stage: 2.75          of 64, 2 stages: 2.87      intra 8 warps: 4.79
+# Then with the product inverse (session4/call2/sweep.txt), from state BV 64 / 4 warps, output 4 warps,
+# intra column blocks of 64 with 1 stage, gate 32 columns: intra 2.24, state 0.73, output 0.83, gate 0.22
+#   intra column blocks of 32: 2.20 (kept)  of 128: 2.56   intra 2 stages: 2.37   intra 8 warps: 3.97
+#   intra 2 warps: 2.30                      state 2 warps: 22.9 (spills)    state BV 128, 1 stage: 1.10
+#   state BV 32, 4 warps: 1.10               output 2 warps: 0.78 (kept)     output BV 128: 1.18
+#   gate 64 columns: 0.18 (kept)             gate 16 columns, 2 warps: 0.40
 # Nsight Compute on the same run: every kernel at 12.5% occupancy, held by registers (intra 255 a thread,
 # state 186, output 141 at 8 warps), so fewer warps or narrower tiles win. Session 3 (fp32
-# intermediates): intra 4 warps 2.87 against 8 warps 4.96. K > 128 keeps reasoned values (not swept).
+# intermediates): intra 4 warps 2.87 against 8 warps 4.96. K > 128: sm90's K <= 128 choices carried over
+# (reasoned, not swept: the previous 8-warp, whole-row intra setting took 12.96 ms at B8_T2048_H32_D256
+# against FLA's 3.93), with the state pass at 1 stage for shared memory.
 # Shared memory, from compiling for sm90 on a CPU (`python -m kda.backends.triton.aot`) against 227 KB per
 # block on Hopper: every kernel fits at K = 128 and 256 with these settings.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
-    9: {"small": LaunchConfig(64, 4, 4, 64, 4, 2, measured=True, intra_block_w=64, intra_stages=1),
-        "large": LaunchConfig(32, 8, 8, 32, 8, 1)},
+    9: {"small": LaunchConfig(64, 4, 4, 64, 2, 2, measured=True, intra_block_w=32, intra_stages=1,
+                              gate_block_k=64),
+        "large": LaunchConfig(64, 4, 4, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)},
 }
 # Other architectures: sm90's choices, unmeasured there (at K > 128 the intra kernel keeps 8 warps: its
 # [C, K] fp32 tiles would need ~128 registers a thread with 4).
-_DEFAULT = {"small": LaunchConfig(64, 4, 4, 64, 4, 2, intra_block_w=64, intra_stages=1),
-            "large": LaunchConfig(32, 8, 8, 32, 8, 1)}
+_DEFAULT = {"small": LaunchConfig(64, 4, 4, 64, 2, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
+            "large": LaunchConfig(64, 4, 4, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:

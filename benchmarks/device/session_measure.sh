@@ -19,6 +19,7 @@
 #   s4b     (nvidia-h200-x2) session 4's second call: quick verify + training bench (GPU 1); stages, sweep,
 #           forward bench at eight shapes (GPU 0)
 #   s4c     (one GPU) session 4's third call: K = 256 stages and sweep, forward bench at every shape
+#   s4d     (one GPU) session 4's last call: the final kernels verified on the bench's classes
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -268,6 +269,18 @@ s4c)
     --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
   echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -50
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s4d)
+  # Session 4, call 4 (one GPU, the last minutes): the final kernels (backend version 3) verified on the
+  # bench's case classes, forward and training at d128, three cases each.
+  export KDA_TRITON_EXPERIMENTAL=1
+  CASES=""; for key in safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/fwd safe/l2/sig/bf16/varlen/mha/h0+ht/c64/d128/fwd \
+    safe/l2/sig/bf16/dense/mha/h0+ht/c64/d64/fwd safe/l2/sig/bf16/dense/mha/h0+ht/c64/d256/fwd \
+    safe/l2/sig/bf16/dense/mha/nostate/c64/d128/train pregated/l2/sig/bf16/dense/mha/nostate/c64/d128/train; do
+    CASES="$CASES --case $key"; done
+  timeout "$(left 10)" python3 -m kda.verify --backend triton $CASES --jobs 6 --work-dir "$W/verify-triton-workers" \
+    --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+  echo "verify triton rc=$?"; cat "$W/verify-triton.txt" | tail -20; cat "$W"/verify-triton-workers/*.log | head -30
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

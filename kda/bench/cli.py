@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="B{b}_T{t}_H{h}_D{d} or varlen_H{h}_D{d}_L{lengths} "
                              "(repeatable; default: the 12 bench shapes)")
     parser.add_argument("--mode", action="append", default=[], choices=sorted(MODES),
-                        help="fwd, train_pregated or train_safe (repeatable; default: all three)")
+                        help="fwd, fwd_pregated, train_pregated or train_safe (repeatable; default: all four)")
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<gpu>/<date>")
     parser.add_argument("--cold-start", choices=("none", "first", "all"), default="first",

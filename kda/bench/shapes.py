@@ -10,6 +10,7 @@ K = V = D and HV = H (no GVA) in every bench shape. Modes (all bf16, l2norm and 
 
 - ``fwd``: inference forward with the safe in-kernel gate (``lower_bound=-5``, ``A_log``, ``dt_bias``),
   an initial state and the final state returned, no gradient (what a serving prefill does);
+- ``fwd_pregated``: the same with a pre-gated log decay ``g`` (a model that applies the gate itself);
 - ``train_pregated``: forward + backward with a pre-gated log decay ``g``, no states;
 - ``train_safe``: forward + backward with the safe in-kernel gate, no states; gradients for every input.
 """
@@ -88,6 +89,7 @@ class Mode:
 
 MODES = {
     "fwd": Mode("fwd", training=False, gate="safe", states=True),
+    "fwd_pregated": Mode("fwd_pregated", training=False, gate="pregated", states=True),
     "train_pregated": Mode("train_pregated", training=True, gate="pregated", states=False),
     "train_safe": Mode("train_safe", training=True, gate="safe", states=False),
 }

@@ -112,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             for backend in runnable:
                 for cc in classes:
                     progress.update(task, description=f"{backend.name} {cc.key}")
+                    class_started = time.perf_counter()
                     result = verify_class(backend, cc, device, quick=args.quick)
                     entries.append(_entry(backend.name, result))
-                    if not err.is_terminal:  # no live bar in a log: one line per class instead
+                    if not err.is_terminal:  # no live bar in a log: one line per class, with its seconds
                         err.print(f"{len(entries)}/{len(runnable) * len(classes)} {backend.name} {cc.key}: "
                                   f"{entries[-1]['status']} {entries[-1]['worst_ratio']} "
+                                  f"({time.perf_counter() - class_started:.1f} s) "
                                   f"{(entries[-1]['reason'] or '')[:200]}", highlight=False)
                     if not result.unsupported:
                         store.put(backend, device, [result.to_record(source="verify", quick=args.quick)])

@@ -5,6 +5,11 @@ intermediates that cross launches (``w``, ``k_g``, ``u``/``v_new``, ``A_qk``, ``
 inputs' dtype, as FLA does: bf16 or fp16 halves their traffic. Arithmetic stays fp32 in registers; only
 the stored copies are rounded, once each (each store below rounds to nearest, like the GPU's cvt).
 
+fp16 storage has fp16's range (65504), as FLA's does. The stored values are of the size of the inputs
+and the output (``u``, ``v_new`` and ``h`` scale with ``v``; ``w``, ``k_g`` with ``k``; ``A_qk``
+with ``q . k``), which fp16 limits already; a stored value that overflows becomes inf, never a wrong
+finite number, and the verifier fails any non-finite result.
+
 Kept in fp32 whatever the inputs: ``G`` (a chunk's cumulative log decay is exponentiated as
 ``exp(G_i - G_j)``; bf16 would put an absolute error of ``|G| 2^-9`` in every exponent), ``A_kk``/``T``
 (the inverse is solved in place and read back), fp32 inputs, and every intermediate when training (the

@@ -85,6 +85,10 @@ SWEEP = [
     {"output_warps": 2},
     {"gate_block_k": 64},
     {"gate_block_k": 16, "gate_warps": 2},
+    {"intra_block_k": 64},
+    {"intra_block_k": 32},
+    {"intra_block_k": 64, "intra_warps": 8},
+    {"intra_block_k": 32, "intra_block_w": 16},
 ]
 
 

@@ -19,11 +19,17 @@ from kda.verify.check import run_case  # noqa: E402
 VARIANTS = [
     {"intra_block_w": 16, "intra_stages": 1, "gate_block_k": 16},
     {"intra_block_w": 16, "state_block_v": 16, "output_block_v": 16, "gate_block_k": 8},
+    {"intra_block_k": 8},
 ]
+# The score products summed over K steps (intra_block_k) have their own l2norm handling: also run without.
+CASES = {"softplus-l2-varlen-gva": dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True),
+         "pregated-no-l2": dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given")}
 
 
-@pytest.mark.parametrize("change", VARIANTS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch, change):  # noqa: F811
+@pytest.mark.parametrize("change, case", [(c, "softplus-l2-varlen-gva") for c in VARIANTS]
+                         + [({"intra_block_k": 8}, "pregated-no-l2")],
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else x)
+def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch, change, case):  # noqa: F811
     from kda.backends.triton import configs, forward
 
     chosen = []
@@ -34,8 +40,11 @@ def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch,
         return config
 
     monkeypatch.setattr(forward, "launch_config", patched)
-    cc = case_class(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True, chunk_size=32)
-    # K = 32, V = 48 (padded to 64): BW = 16 splits both into several column blocks, the last one ragged.
+    cc = case_class(**CASES[case], chunk_size=32)
+    # K = 32, V = 48 (padded to 64): BW = 16 splits both into several column blocks, the last one ragged;
+    # intra_block_k = 8 sums the score products over 4 steps.
     result = run_case(interpreter, small_case(cc, "extreme", K=32, V=48, seed=seed), "cpu")
     assert result.passed, (change, result.reason, result.errors)
-    assert chosen and all(configs.intra_block_w(c, 32, 64) == 16 for c in chosen)
+    assert chosen and all(getattr(c, name) == value for c in chosen for name, value in change.items())
+    if "intra_block_w" in change:
+        assert all(configs.intra_block_w(c, 32, 64) == 16 for c in chosen)

@@ -56,6 +56,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, in
                          "chunk_seq_ends": i32},
                         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all,
                          "BKC": min(BK, 32), "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
+                         "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
                          "DOT_PRECISION": "tf32", "SAVE": False, "ROUND": False},
                         config.intra_warps, config.intra_stages),
         "state": shared(state_pass_kernel,

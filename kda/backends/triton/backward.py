@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.backends.triton.intra import SUB_CHUNK, _beta, _inv_norm
+from kda.backends.triton.intra import SUB_CHUNK, _beta, _inv_norm, _rows
 from kda.backends.triton.state import state_tile
 
 
@@ -227,11 +227,6 @@ def _sum_before(x):
     (x_t need not carry the decay that every earlier term carries)."""
     before, _ = tl.associative_scan((tl.zeros_like(x), x), 0, _sum_before_combine)
     return before
-
-
-@triton.jit
-def _rows(x, rows, i_hv, cols, HEADS: tl.constexpr, K: tl.constexpr):
-    return x + rows[:, None].to(tl.int64) * (HEADS * K) + i_hv * K + cols[None, :]
 
 
 @triton.jit

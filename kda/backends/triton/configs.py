@@ -25,7 +25,11 @@ class LaunchConfig:
     # Its V loop pipelined 2 deep, not Triton's default 3: compiled for sm90, 213 KB of shared memory at
     # K = 256 (3 stages: 287 KB, over Hopper's 227 KB; 1 stage: 233 KB) and 115 KB at K = 128 (156 KB).
     backward_stages: int = 2
-    gate_block_k: int = 32  # K columns per program of the gate cumsum (reasoned: not yet swept)
+    gate_block_k: int = 32  # K columns per program of the gate cumsum
+    # K columns per step of the intra kernel's score products (0: the whole head dim in one). Not yet
+    # measured: smaller steps hold [16, K/steps] tiles instead of [16, K], for a kernel whose occupancy
+    # registers limit (`benchmarks/triton_stages.py --sweep` times 64 and 32).
+    intra_block_k: int = 0
     gate_warps: int = 4
 
 

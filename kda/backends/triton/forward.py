@@ -110,6 +110,7 @@ def plan_forward(
             layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
             BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all),
+            BKS=BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
             DOT_PRECISION=precision, SAVE=save, ROUND=ROUND,
             num_warps=config.intra_warps, num_stages=config.intra_stages,
         )

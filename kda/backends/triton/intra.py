@@ -89,6 +89,7 @@ def intra_chunk_kernel(
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
     BW: tl.constexpr,  # columns of w and u per product (a power of 2 dividing BK and BV)
+    BKS: tl.constexpr,  # K columns per step of the score products (BK: all at once)
     DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
     ROUND: tl.constexpr,  # round bf16 stores by hand (the interpreter truncates; see `storage`)
 ):
@@ -103,8 +104,13 @@ def intra_chunk_kernel(
     for I in range(BT // BC):  # runtime loops here and below: unrolled, the kernel took 29 s to compile
         out_rows = (I * BC + sub)[:, None] * BT
         if start + I * BC < end:
-            _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
-                             H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE, ROUND)
+            if BKS < BK:
+                _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv,
+                                       I, H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BKS, BC, DOT_PRECISION, SAVE,
+                                       ROUND)
+            else:
+                _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
+                                 H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE, ROUND)
         else:  # the sub-chunk lies past the sequence's end: zero rows
             zero = tl.zeros([BC, BC], dtype=tl.float32)
             for J in range(BT // BC):
@@ -274,6 +280,100 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             tl.store(A_qk + out_off, zero)
             if SAVE:
                 tl.store(M_out + out_off, zero)
+
+
+@triton.jit
+def _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
+                           SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                           BKC: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           SAVE: tl.constexpr, ROUND: tl.constexpr):
+    """`_score_row_block` with each product summed over ``BKS``-column steps of K, so that a step holds
+    ``[16, BKS]`` tiles instead of ``[16, K]`` ones (registers decide how many programs share an SM).
+
+    The products are of raw rows; l2norm is applied to the sums (``(k_i / |k_i|) . (k_j / |k_j|)`` is
+    ``k_i . k_j / (|k_i| |k_j|)``), with the norms summed over the same steps. The i rows' norms and the
+    diagonal block's decay span come from a first pass over the steps."""
+    sub = tl.arange(0, BC)
+    rows_i = start + I * BC + sub
+    valid_i = rows_i < end
+    a_row = G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K  # the anchor: the block's first row
+    b_i = _beta(tl.load(beta + rows_i.to(tl.int64) * HV + i_hv, mask=valid_i, other=0.0).to(tl.float32),
+                SIGMOID, TWO)
+    b_i = tl.where(valid_i, b_i, 0.0)
+    k_squares = tl.zeros([BC], dtype=tl.float32)
+    q_squares = tl.zeros([BC], dtype=tl.float32)
+    span = 0.0
+    for c0 in range(0, BK, BKS):
+        cs = c0 + tl.arange(0, BKS)
+        m_i = valid_i[:, None] & (cs[None, :] < K)
+        k_c = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+        q_c = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+        k_squares += tl.sum(k_c * k_c, axis=1)
+        q_squares += tl.sum(q_c * q_c, axis=1)
+        anchor = tl.load(a_row + cs, mask=cs < K, other=0.0)
+        g_c = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0), anchor[None, :])
+        span = tl.maximum(span, tl.max(tl.max(tl.abs(g_c - anchor[None, :]), axis=1), axis=0))
+    if L2:
+        k_norm = tl.rsqrt(k_squares + 1e-6)  # eps as kda.reference.l2norm
+        q_norm = tl.rsqrt(q_squares + 1e-6)
+    else:
+        k_norm = tl.full([BC], 1.0, tl.float32)
+        q_norm = tl.full([BC], 1.0, tl.float32)
+    causal = sub[:, None] >= sub[None, :]
+    strict = sub[:, None] > sub[None, :]
+    for J in range(BT // BC):
+        out_off = a_base + out_rows + (J * BC + sub)[None, :]
+        if J <= I:
+            rows_j = start + J * BC + sub
+            valid_j = rows_j < end
+            if J == I and span > DOT_SPAN:  # the exact element-wise path (see the module docstring)
+                kk, qk = _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H, HV, K, BK, BKC, BC)
+                kk = kk * k_norm[:, None] * k_norm[None, :]
+                qk = qk * q_norm[:, None] * k_norm[None, :]
+            else:
+                kk = tl.zeros([BC, BC], dtype=tl.float32)
+                qk = tl.zeros([BC, BC], dtype=tl.float32)
+                j_squares = tl.zeros([BC], dtype=tl.float32)
+                for c0 in range(0, BK, BKS):
+                    cs = c0 + tl.arange(0, BKS)
+                    m_i = valid_i[:, None] & (cs[None, :] < K)
+                    m_j = valid_j[:, None] & (cs[None, :] < K)
+                    anchor = tl.load(a_row + cs, mask=cs < K, other=0.0)
+                    g_i = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0),
+                                   anchor[None, :])
+                    late = tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
+                    k_i = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+                    q_i = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+                    k_j = tl.load(_rows(k, rows_j, i_h, cs, H, K), mask=m_j, other=0.0).to(tl.float32)
+                    g_j = tl.load(_rows(G, rows_j, i_hv, cs, HV, K), mask=m_j, other=0.0)
+                    # exp(G_a - G_j): <= 1 for earlier blocks, <= exp(DOT_SPAN) on the diagonal
+                    k_j_early = k_j * tl.exp(tl.where(m_j, anchor[None, :] - g_j, 0.0))
+                    j_squares += tl.sum(k_j * k_j, axis=1)
+                    kk += tl.dot(k_i * late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
+                    qk += tl.dot(q_i * late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
+                j_norm = tl.rsqrt(j_squares + 1e-6) if L2 else tl.full([BC], 1.0, tl.float32)
+                kk = kk * k_norm[:, None] * j_norm[None, :]
+                qk = qk * q_norm[:, None] * j_norm[None, :]
+                if J == I:  # entries above the diagonal may have overflowed: discarded, never multiplied
+                    kk = tl.where(strict, kk, 0.0)
+                    qk = tl.where(causal & valid_i[:, None], qk, 0.0)
+            if SAVE:
+                tl.store(M_out + out_off, kk)
+            tl.store(A_kk + out_off, kk * b_i[:, None])
+            tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
+        else:
+            zero = tl.zeros([BC, BC], dtype=tl.float32)
+            tl.store(A_kk + out_off, zero)
+            tl.store(A_qk + out_off, zero)
+            if SAVE:
+                tl.store(M_out + out_off, zero)
+
+
+@triton.jit
+def _rows(ptr, rows, head, cols, HEADS: tl.constexpr, DIM: tl.constexpr):
+    """Pointers to ``[rows, cols]`` of head ``head`` in a ``[tokens, HEADS, DIM]`` tensor."""
+    return ptr + rows[:, None].to(tl.int64) * (HEADS * DIM) + head * DIM + cols[None, :]
 
 
 @triton.jit

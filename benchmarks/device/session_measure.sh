@@ -20,6 +20,8 @@
 #           forward bench at eight shapes (GPU 0)
 #   s4c     (one GPU) session 4's third call: K = 256 stages and sweep, forward bench at every shape
 #   s4d     (one GPU) session 4's last call: the final kernels verified on the bench's classes
+#   next5   (nvidia-h200-x2) for session 5: the grid (GPU 1); stages, sweep, pre-gated forward and
+#           training benches (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -281,6 +283,34 @@ s4d)
   timeout "$(left 10)" python3 -m kda.verify --backend triton $CASES --jobs 6 --work-dir "$W/verify-triton-workers" \
     --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
   echo "verify triton rc=$?"; cat "$W/verify-triton.txt" | tail -20; cat "$W"/verify-triton-workers/*.log | head -30
+  ;;
+next5)
+  # For session 5 (nvidia-h200-x2), call 1. GPU 1: triton over the whole grid, training included (12
+  # processes on 32 CPUs; the logs give each class's seconds; the records persist in state.tgz, so a
+  # second call with the same phase goes on where this one stopped only if the verifier skips recorded
+  # classes: it does not yet, so narrow it with --case then). GPU 0: stages and the sweep (with the
+  # untried intra_block_k variants), then the pre-gated forward bench at the dense shapes, then the
+  # training bench at one shape in both gate modes.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 30)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 480)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 > "$W/stages.txt" 2>&1
+  timeout "$(left 360)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/stages.txt" "$W/sweep.txt"
+  SHAPES=""; for shape in B1_T8192_H96_D128 B2_T16384_H16_D128 B4_T2048_H16_D128 B4_T4096_H64_D128 B8_T2048_H32_D256 \
+    B8_T1024_H8_D64; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 200)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd_pregated $SHAPES \
+    --out "$W/bench-fwd-pregated" > "$W/bench-fwd-pregated.txt" 2> "$W/bench-fwd-pregated.err"
+  echo "bench fwd_pregated rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-pregated.err" | head -20
+  timeout "$(left 40)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
+    --mode train_pregated --shape "${TRAIN_SHAPE:-B1_T8192_H96_D128}" --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

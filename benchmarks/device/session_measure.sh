@@ -293,6 +293,9 @@ next5)
   # training bench at one shape in both gate modes.
   export KDA_TRITON_EXPERIMENTAL=1
   ( export CUDA_VISIBLE_DEVICES=1
+    # Where a class's 12-57 s per case go (session 4: even a case with no new compile took 12-33 s).
+    timeout 150 python3 -m cProfile -s cumtime -m kda.verify --backend triton \
+      --case safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/fwd > "$W/verify-profile.txt" 2>&1
     timeout "$(left 30)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
       --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
     echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &

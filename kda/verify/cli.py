@@ -190,6 +190,9 @@ def _run_jobs(args, runnable, classes, device, progress, task) -> list[dict[str,
         env = os.environ.copy()
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        # The workers' CPU work (the float64 reference, compiles) shares the machine: without a cap each
+        # one's torch would start a thread per core, args.jobs times over.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
         log = open(scratch / f"part-{i}.log", "w")
         children.append((i, len(share), subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     entries: list[dict[str, Any]] = []

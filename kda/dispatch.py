@@ -210,7 +210,7 @@ def _cache_key(spec: KDASpec, request: Request) -> tuple:
     names = _requested(request)
     store = default_store()
     return (spec.routing_key, names, registry.generation(), id(store), store.generation, config.verify_mode(),
-            timings.stamp(spec.device) if names is None else None)
+            timings.stamp(spec.device, store.root) if names is None else None)
 
 
 def select(spec: KDASpec, request: Request = "auto") -> Backend:

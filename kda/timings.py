@@ -216,11 +216,12 @@ def load(device: torch.device | str) -> TimingTable | None:
     return table
 
 
-def stamp(device: torch.device | str) -> int | None:
-    """Changes whenever the table for `device` changes (part of the dispatcher's cache key)."""
-    device = torch.device(device)
+def stamp(device: torch.device | str, root: Path | None = None) -> int | None:
+    """Changes whenever the table for `device` changes (part of the dispatcher's cache key). `root`: the
+    cache directory when the caller has just read it (`auto` does on every call; reading the environment
+    again costs a few microseconds)."""
     try:
-        return _path_for(device).stat().st_mtime_ns
+        return _path_in(root if root is not None else config.cache_dir(), str(device)).stat().st_mtime_ns
     except OSError:
         return None
 

@@ -49,11 +49,16 @@ def stage_bytes(spec: kda.KDASpec, name: str) -> int:
     }[name]
 
 
+def forward_call(name: str) -> tuple[kda.KDASpec, KDAInputs]:
+    """The bench's `fwd` inputs at this shape, as the backend receives them."""
+    inputs = make_inputs(BenchShape.parse(name), MODES["fwd"], "cuda", seed=0)
+    spec = kda.KDASpec.from_call(**inputs.kwargs)
+    return spec, KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+
+
 def main(names: list[str]) -> None:
     for name in names or ["B1_T8192_H96_D128"]:
-        inputs = make_inputs(BenchShape.parse(name), MODES["fwd"], "cuda", seed=0)
-        spec = kda.KDASpec.from_call(**inputs.kwargs)
-        call = KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+        spec, call = forward_call(name)
         stages, _ = plan_forward(call, spec)
         total = 0.0
         for stage, launch in stages:
@@ -96,9 +101,7 @@ def sweep(names: list[str]) -> None:
     """Time the stages under each variant of the shipped launch configuration (an explicit tuning run:
     nothing is tuned at call time; a winner is written into `configs` by hand, marked measured)."""
     for name in names or ["B1_T8192_H96_D128"]:
-        inputs = make_inputs(BenchShape.parse(name), MODES["fwd"], "cuda", seed=0)
-        spec = kda.KDASpec.from_call(**inputs.kwargs)
-        call = KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+        spec, call = forward_call(name)
         shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
         for change in SWEEP:
             config = dataclasses.replace(shipped, **change)
@@ -117,9 +120,7 @@ def sweep(names: list[str]) -> None:
 def once(names: list[str]) -> None:
     """Each stage launched once, nothing timed: the run a profiler (ncu) attaches to."""
     for name in names or ["B1_T8192_H96_D128"]:
-        inputs = make_inputs(BenchShape.parse(name), MODES["fwd"], "cuda", seed=0)
-        spec = kda.KDASpec.from_call(**inputs.kwargs)
-        call = KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+        spec, call = forward_call(name)
         stages, _ = plan_forward(call, spec)
         for _, launch in stages:
             launch()

@@ -112,12 +112,8 @@ def intra_chunk_kernel(
                 _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
                                  H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE, ROUND)
         else:  # the sub-chunk lies past the sequence's end: zero rows
-            zero = tl.zeros([BC, BC], dtype=tl.float32)
             for J in range(BT // BC):
-                tl.store(A_kk + a_base + out_rows + (J * BC + sub)[None, :], zero)
-                tl.store(A_qk + a_base + out_rows + (J * BC + sub)[None, :], zero)
-                if SAVE:
-                    tl.store(M_out + a_base + out_rows + (J * BC + sub)[None, :], zero)
+                _store_zero_scores(a_base + out_rows + (J * BC + sub)[None, :], A_kk, A_qk, M_out, BC, SAVE)
     tl.debug_barrier()
 
     # ---- T = (I + A_kk)^-1, 16-row blocks, written over A_kk ---------------------------------------
@@ -270,16 +266,9 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
                 # The slices were raw: apply the norms of the whole head dimension to the sums.
                 kk = kk * k_norm[:, None] * k_norm[None, :]
                 qk = qk * q_norm[:, None] * k_norm[None, :]
-            if SAVE:
-                tl.store(M_out + out_off, kk)
-            tl.store(A_kk + out_off, kk * b_i[:, None])
-            tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
-        else:
-            zero = tl.zeros([BC, BC], dtype=tl.float32)
-            tl.store(A_kk + out_off, zero)
-            tl.store(A_qk + out_off, zero)
-            if SAVE:
-                tl.store(M_out + out_off, zero)
+            _store_scores(kk, qk, b_i, out_off, A_kk, A_qk, M_out, SAVE, ROUND)
+        else:  # above the diagonal
+            _store_zero_scores(out_off, A_kk, A_qk, M_out, BC, SAVE)
 
 
 @triton.jit
@@ -358,16 +347,30 @@ def _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, s
                 if J == I:  # entries above the diagonal may have overflowed: discarded, never multiplied
                     kk = tl.where(strict, kk, 0.0)
                     qk = tl.where(causal & valid_i[:, None], qk, 0.0)
-            if SAVE:
-                tl.store(M_out + out_off, kk)
-            tl.store(A_kk + out_off, kk * b_i[:, None])
-            tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
-        else:
-            zero = tl.zeros([BC, BC], dtype=tl.float32)
-            tl.store(A_kk + out_off, zero)
-            tl.store(A_qk + out_off, zero)
-            if SAVE:
-                tl.store(M_out + out_off, zero)
+            _store_scores(kk, qk, b_i, out_off, A_kk, A_qk, M_out, SAVE, ROUND)
+        else:  # above the diagonal
+            _store_zero_scores(out_off, A_kk, A_qk, M_out, BC, SAVE)
+
+
+@triton.jit
+def _store_scores(kk, qk, b_i, out_off, A_kk, A_qk, M_out, SAVE: tl.constexpr, ROUND: tl.constexpr):
+    """One ``[16, 16]`` block: ``A_kk = beta_i M`` (fp32), ``A_qk`` (storage dtype), and ``M`` itself when
+    training."""
+    if SAVE:
+        tl.store(M_out + out_off, kk)
+    tl.store(A_kk + out_off, kk * b_i[:, None])
+    tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
+
+
+@triton.jit
+def _store_zero_scores(out_off, A_kk, A_qk, M_out, BC: tl.constexpr, SAVE: tl.constexpr):
+    """One ``[16, 16]`` block of zeros (above the diagonal, or past the sequence's end) in each buffer:
+    exact zeros, never a product, since the inverse and ``w``/``u`` read whole rows of them."""
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    tl.store(A_kk + out_off, zero)
+    tl.store(A_qk + out_off, zero)
+    if SAVE:
+        tl.store(M_out + out_off, zero)
 
 
 @triton.jit

@@ -118,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dims", default="64x32,128x64,256x64", help="KxC list (K = V), comma-separated")
     args = parser.parse_args(argv)
     limit = SHARED_LIMIT.get(args.capability, SHARED_LIMIT[8])
-    report: dict[str, dict[str, dict[str, int | None]]] = {"shared_bytes": {}, "registers": {}, "spill_bytes": {}}
+    fields = {"shared_bytes": "shared", "registers": "registers", "spill_bytes": "spill_bytes"}  # report: need
+    report: dict[str, dict[str, dict[str, int | None]]] = {name: {} for name in fields}
     over = []
     for item in args.dims.split(","):
         K, C = (int(x) for x in item.split("x"))
         needs = kernel_requirements(args.capability, K, K, C)
-        for field, table in report.items():
-            table[f"K{K}_C{C}"] = {name: need[field.removesuffix("_bytes") if field == "shared_bytes" else field]
-                                   for name, need in needs.items()}
+        for name, field in fields.items():
+            report[name][f"K{K}_C{C}"] = {kernel: need[field] for kernel, need in needs.items()}
         over += [f"{name} at K={K}, C={C}: {need['shared']} B > {limit} B" for name, need in needs.items()
                  if (need["shared"] or 0) > limit]
     print(json.dumps({"capability": args.capability, "shared_limit": limit, **report, "over": over}))

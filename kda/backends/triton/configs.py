@@ -60,8 +60,7 @@ _TABLE: dict[int, dict[str, LaunchConfig]] = {
                               gate_block_k=64),
         "large": LaunchConfig(64, 4, 4, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)},
 }
-# Other architectures: sm90's choices, unmeasured there (at K > 128 the intra kernel keeps 8 warps: its
-# [C, K] fp32 tiles would need ~128 registers a thread with 4).
+# Other architectures: sm90's choices, unmeasured there.
 _DEFAULT = {"small": LaunchConfig(64, 4, 4, 64, 2, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
             "large": LaunchConfig(64, 4, 4, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
 

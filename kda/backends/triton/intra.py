@@ -77,6 +77,13 @@ def _beta(b, SIGMOID: tl.constexpr, TWO: tl.constexpr):
 
 
 @triton.jit
+def _row_betas(beta, rows, valid, i_hv, HV: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr):
+    """``beta`` of value head ``i_hv`` at ``rows`` after its activation, 0 past the sequence's end."""
+    b = tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+    return tl.where(valid, _beta(b, SIGMOID, TWO), 0.0)
+
+
+@triton.jit
 def intra_chunk_kernel(
     q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
     G,  # [tokens, HV, K] fp32 (stage 1)
@@ -136,9 +143,7 @@ def intra_chunk_kernel(
     # on each other), so shared memory per program decides how many programs share an SM.
     rows = start + r
     valid = rows < end
-    b_all = _beta(tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32),
-                  SIGMOID, TWO)
-    b_all = tl.where(valid, b_all, 0.0)
+    b_all = _row_betas(beta, rows, valid, i_hv, HV, SIGMOID, TWO)
     k_rows = rows[:, None].to(tl.int64) * (H * K) + i_h * K
     if L2 and BW < BK:  # rows span several column blocks: their norms over the whole head dimension first
         squares = tl.zeros([BT], dtype=tl.float32)
@@ -216,20 +221,16 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
     rows_i = start + I * BC + sub
     valid_i = rows_i < end
     m_i = valid_i[:, None] & (cols[None, :] < K)
-    qk_off_i = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :]
-    k_i = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
-    q_i = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+    k_i = tl.load(_rows(k, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
+    q_i = tl.load(_rows(q, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
     k_norm = _inv_norm(k_i, L2)  # [BC]: 1 / ||k_i|| with l2norm in kernel, else 1
     q_norm = _inv_norm(q_i, L2)
     k_i = k_i * k_norm[:, None]
     q_i = q_i * q_norm[:, None]
-    g_off_i = rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     anchor = tl.load(G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K + cols, mask=cols < K, other=0.0)
-    g_i = tl.load(G + g_off_i, mask=m_i, other=0.0)
+    g_i = tl.load(_rows(G, rows_i, i_hv, cols, HV, K), mask=m_i, other=0.0)
     g_i = tl.where(m_i, g_i, anchor[None, :])  # rows past the end: exp(0) times a zero key
-    b_i = _beta(tl.load(beta + rows_i.to(tl.int64) * HV + i_hv, mask=valid_i, other=0.0).to(tl.float32),
-                SIGMOID, TWO)
-    b_i = tl.where(valid_i, b_i, 0.0)
+    b_i = _row_betas(beta, rows_i, valid_i, i_hv, HV, SIGMOID, TWO)
     k_i_late = k_i * tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
     q_i_late = q_i * tl.exp(g_i - anchor[None, :])
     for J in range(BT // BC):
@@ -237,17 +238,12 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
         if J < I:
             rows_j = start + J * BC + sub  # all before the anchor, all inside the sequence
             m_j = (cols[None, :] < K) & (rows_j[:, None] < end)
-            k_j = _rows_l2(tl.load(k + rows_j[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :],
-                                   mask=m_j, other=0.0).to(tl.float32), L2)
-            g_j = tl.load(G + rows_j[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :],
-                          mask=m_j, other=0.0)
+            k_j = _rows_l2(tl.load(_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32), L2)
+            g_j = tl.load(_rows(G, rows_j, i_hv, cols, HV, K), mask=m_j, other=0.0)
             k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
             kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
             qk = tl.dot(q_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
-            if SAVE:
-                tl.store(M_out + out_off, kk)
-            tl.store(A_kk + out_off, kk * b_i[:, None])
-            tl.store(A_qk + out_off, stored(qk, A_qk, ROUND))
+            _store_scores(kk, qk, b_i, out_off, A_kk, A_qk, M_out, SAVE, ROUND)
         elif J == I:
             causal = sub[:, None] >= sub[None, :]
             strict = sub[:, None] > sub[None, :]
@@ -287,9 +283,7 @@ def _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, s
     rows_i = start + I * BC + sub
     valid_i = rows_i < end
     a_row = G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K  # the anchor: the block's first row
-    b_i = _beta(tl.load(beta + rows_i.to(tl.int64) * HV + i_hv, mask=valid_i, other=0.0).to(tl.float32),
-                SIGMOID, TWO)
-    b_i = tl.where(valid_i, b_i, 0.0)
+    b_i = _row_betas(beta, rows_i, valid_i, i_hv, HV, SIGMOID, TWO)
     k_squares = tl.zeros([BC], dtype=tl.float32)
     q_squares = tl.zeros([BC], dtype=tl.float32)
     span = 0.0
@@ -392,10 +386,9 @@ def _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H: tl.constexpr, 
     for c0 in range(0, BK, BKC):
         cs = c0 + tl.arange(0, BKC)
         m_c = valid_i[:, None] & (cs[None, :] < K)
-        g_c = tl.load(G + rows_i[:, None].to(tl.int64) * (HV * K) + i_hv * K + cs[None, :], mask=m_c, other=0.0)
-        kq_off = rows_i[:, None].to(tl.int64) * (H * K) + i_h * K + cs[None, :]
-        k_c = tl.load(k + kq_off, mask=m_c, other=0.0).to(tl.float32)
-        q_c = tl.load(q + kq_off, mask=m_c, other=0.0).to(tl.float32)
+        g_c = tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_c, other=0.0)
+        k_c = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_c, other=0.0).to(tl.float32)
+        q_c = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_c, other=0.0).to(tl.float32)
         diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
         keep = causal & valid_i[:, None]  # rows past the end hold no score (and no overflow)
         decay = tl.exp(tl.where(keep[:, :, None], diff, float("-inf")))

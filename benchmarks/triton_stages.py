@@ -13,6 +13,7 @@ The state stage writes v_new over u, so repeated runs see drifting values: fine 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -103,7 +104,8 @@ def sweep(names: list[str]) -> None:
     for name in names or ["B1_T8192_H96_D128"]:
         spec, call = forward_call(name)
         shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
-        for change in SWEEP:
+        only = os.environ.get("SWEEP_ONLY")  # e.g. "intra_warps": the variants whose text contains it
+        for change in [c for c in SWEEP if not only or not c or only in str(c)]:
             config = dataclasses.replace(shipped, **change)
             triton_forward_module.launch_config = lambda *_, config=config: config
             try:

@@ -28,8 +28,9 @@ def test_kernels_compile_for_sm90_within_shared_memory():
     report = json.loads(lines[-1])
     assert report["over"] == [], report
     assert done.returncode == 0
-    kernels = {"gate", "intra", "state", "output", "bwd_chunk", "bwd_state"}
     for dims, needs in report["shared_bytes"].items():
+        # the backward where training is offered on CUDA (K, V <= 128)
+        kernels = {"gate", "intra", "state", "output"} | ({"bwd_chunk", "bwd_state"} if dims != "K256_C64" else set())
         assert set(needs) == kernels, dims
         registers = report["registers"][dims]
         assert set(registers) == kernels and set(report["spill_bytes"][dims]) == kernels, dims

@@ -22,6 +22,17 @@
 #   s4d     (one GPU) session 4's last call: the final kernels verified on the bench's classes
 #   next5   (nvidia-h200-x2) for session 5: the grid (GPU 1); stages, sweep, pre-gated forward and
 #           training benches (GPU 0)
+#   s5      (nvidia-h200-x2) session 5, call 1: an experimental version 5 (gate folded into intra and
+#           output, score blocks in registers; branch experiment/v5-blocks-in-registers, not on main):
+#           verify triton's forward (GPU 1); stages, sweep, forward benches (GPU 0)
+#   s5b     (nvidia-h200-x2) session 5, call 2, version 6: the whole grid with training (GPU 1); stages,
+#           sweep, forward and pre-gated forward benches, one training shape (GPU 0)
+#   s5c     (nvidia-h200-x2) session 5, call 3, version 7 (intra at 2 warps): the grid again (GPU 1);
+#           stages, the intra warps at K = 256, the forward bench with auto (GPU 0)
+#   s5d     (nvidia-h200-x2) session 5, call 4, version 8 (intra at 2 warps at every K): the grid (GPU 1);
+#           the forward bench with --tune, so that auto learns where triton is fastest (GPU 0)
+#   s5e     (one GPU) session 5, call 5, version 9 (training multiplies in TF32x3): the training classes
+#           up to K = 128, then the training bench at one shape
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -42,6 +53,7 @@ if [ -f .device/state.tgz ] && [ ! -f /tmp/.state-unpacked ]; then
   tar xzf .device/state.tgz -C /tmp && touch /tmp/.state-unpacked
 fi
 W=/tmp/work-$PHASE; rm -rf "$W"; mkdir -p "$W"
+DENSE="B1_T8192_H96_D128 B2_T16384_H16_D128 B4_T2048_H16_D128 B4_T4096_H64_D128 B8_T2048_H32_D256 B8_T1024_H8_D64"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)';
   python3 -m pip list 2>/dev/null | grep -i -E "fla-core|flashkda|pydantic|rich|helion"; } > "$W/env.txt" 2>&1
@@ -258,6 +270,111 @@ s4b)
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s5)
+  # Session 5, call 1 (nvidia-h200-x2), run from the experiment branch. GPU 1: the triton forward over the
+  # grid's forward classes and the bench classes. GPU 0: stages at two shapes, the sweep at B1, then the
+  # forward and pre-gated forward benches at the six dense shapes beside FLA.
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 10 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 470)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B8_T2048_H32_D256 > "$W/stages.txt" 2>&1
+  cat "$W/stages.txt"
+  timeout "$(left 330)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 130)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd $SHAPES \
+    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
+  timeout "$(left 25)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd_pregated $SHAPES \
+    --out "$W/bench-fwd-pregated" > "$W/bench-fwd-pregated.txt" 2> "$W/bench-fwd-pregated.err"
+  echo "bench fwd_pregated rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-pregated.err" | head -20
+  wait
+  cat "$W"/*.rc; tail -n 8 "$W/verify-triton.txt"; grep -i -E "fail|error" "$W/verify-triton.txt" | head -20
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s5b)
+  # Session 5, call 2 (nvidia-h200-x2), version 6. GPU 1: the whole grid, training included (12 processes).
+  # GPU 0: stages at B1 (the gate's 16-row scans), the sweep (with the intra_block_k variants never timed),
+  # the forward and pre-gated forward benches at the six dense shapes, then training at one shape.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 480)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 > "$W/stages.txt" 2>&1
+  cat "$W/stages.txt"
+  timeout "$(left 360)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 200)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd $SHAPES \
+    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
+  timeout "$(left 110)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd_pregated $SHAPES \
+    --out "$W/bench-fwd-pregated" > "$W/bench-fwd-pregated.txt" 2> "$W/bench-fwd-pregated.err"
+  echo "bench fwd_pregated rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-pregated.err" | head -20
+  timeout "$(left 25)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
+    --mode train_pregated --shape B4_T2048_H16_D128 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  wait
+  cat "$W"/*.rc; tail -n 6 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s5c)
+  # Session 5, call 3 (nvidia-h200-x2), version 7: the intra kernel at 2 warps (K <= 128, from call 2's
+  # sweep). GPU 1: the grid, training included. GPU 0: stages at B1 and D256, the intra warps at D256,
+  # then the forward bench with auto at the six dense shapes.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timeout "$(left 420)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B8_T2048_H32_D256 > "$W/stages.txt" 2>&1
+  cat "$W/stages.txt"
+  SWEEP_ONLY=intra_warps timeout "$(left 330)" python3 benchmarks/triton_stages.py --sweep B8_T2048_H32_D256 > "$W/sweep.txt" 2>&1
+  cat "$W/sweep.txt"
+  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 25)" python3 -m kda.bench --backend baseline:fla --backend triton --backend auto --mode fwd $SHAPES \
+    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s5d)
+  # Session 5, call 4 (nvidia-h200-x2), version 8. GPU 1: the grid, training included. GPU 0: the forward
+  # bench with --tune at the six dense shapes (auto's timing table for version 8).
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout "$(left 15)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  sleep 200  # auto trusts only verified backends: let GPU 1 verify the bench classes first
+  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
+  timeout "$(left 15)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
+    $SHAPES --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
+  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s5e)
+  # Session 5, call 5 (one GPU, about 4 minutes of device time left), version 9: training's products in
+  # TF32x3 (version 8 failed two bf16 training classes on dA_log with TF32). The 21 training classes up
+  # to K = 128 (8 processes), then the training bench at B4_T2048_H16_D128.
+  export KDA_TRITON_EXPERIMENTAL=1
+  CASES=""; for key in $(python3 -m kda.verify --list-cases | grep "/train" | grep -v d256); do CASES="$CASES --case $key"; done
+  timeout "$(left 60)" python3 -m kda.verify --backend triton --jobs 8 $CASES \
+    --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+  echo "verify triton rc=$?"; tail -n 3 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -10
+  timeout "$(left 5)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
+    --shape B4_T2048_H16_D128 --rounds 1 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
   ;;
 s4c)
   # Session 4, call 3 (one GPU): the K = 256 settings (stages, sweep at B8_T2048_H32_D256), then the

@@ -45,24 +45,31 @@ class LaunchConfig:
 # Then with the product inverse (session4/call2/sweep.txt), from state BV 64 / 4 warps, output 4 warps,
 # intra column blocks of 64 with 1 stage, gate 32 columns: intra 2.24, state 0.73, output 0.83, gate 0.22
 #   intra column blocks of 32: 2.20 (kept)  of 128: 2.56   intra 2 stages: 2.37   intra 8 warps: 3.97
-#   intra 2 warps: 2.30                      state 2 warps: 22.9 (spills)    state BV 128, 1 stage: 1.10
+#   intra 2 warps: 2.30 (taken in session 5) state 2 warps: 22.9 (spills)    state BV 128, 1 stage: 1.10
 #   state BV 32, 4 warps: 1.10               output 2 warps: 0.78 (kept)     output BV 128: 1.18
 #   gate 64 columns: 0.18 (kept)             gate 16 columns, 2 warps: 0.40
-# Nsight Compute on the same run: every kernel at 12.5% occupancy, held by registers (intra 255 a thread,
+# Nsight Compute on session 4's first run: every kernel at 12.5% occupancy, held by registers (intra 255 a thread,
 # state 186, output 141 at 8 warps), so fewer warps or narrower tiles win. Session 3 (fp32
 # intermediates): intra 4 warps 2.87 against 8 warps 4.96. K > 128: sm90's K <= 128 choices carried over
 # (reasoned, not swept: the previous 8-warp, whole-row intra setting took 12.96 ms at B8_T2048_H32_D256
 # against FLA's 3.93), with the state pass at 1 stage for shared memory.
+# Session 5 (session5/call2-v6/sweep.txt, from the settings below but intra at 4 warps): intra 2 warps
+# 1.82 against 2.20 (kept); intra_block_k 32: 3.63, 64: 3.25, 32 with intra_block_w 16 (168 registers, no
+# spill): 3.75; intra 8 warps 4.14; the state and output variants as before. K > 128 (call3-v7/sweep.txt,
+# B8_T2048_H32_D256): intra 2 warps 2.64 against 2.80 at 4 (kept), 8 warps 4.22.
 # Shared memory, from compiling for sm90 on a CPU (`python -m kda.backends.triton.aot`) against 227 KB per
-# block on Hopper: every kernel fits at K = 128 and 256 with these settings.
+# block on Hopper: every kernel fits at K = 128 and 256 with these settings there (Triton 3.9). On the
+# H200 (Triton 3.6) the backward's per-chunk kernel asked 248 KB at K = 256 and did not launch: the
+# backend refuses training above 128 on CUDA.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
-    9: {"small": LaunchConfig(64, 4, 4, 64, 2, 2, measured=True, intra_block_w=32, intra_stages=1,
+    9: {"small": LaunchConfig(64, 4, 2, 64, 2, 2, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64),
-        "large": LaunchConfig(64, 4, 4, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)},
+        "large": LaunchConfig(64, 4, 2, 64, 4, 1, measured=True, intra_block_w=32, intra_stages=1,
+                              gate_block_k=64)},
 }
 # Other architectures: sm90's choices, unmeasured there.
-_DEFAULT = {"small": LaunchConfig(64, 4, 4, 64, 2, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
-            "large": LaunchConfig(64, 4, 4, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
+_DEFAULT = {"small": LaunchConfig(64, 4, 2, 64, 2, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
+            "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:

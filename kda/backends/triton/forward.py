@@ -23,7 +23,7 @@ from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kerne
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
 from kda.backends.triton.state import state_pass_kernel
-from kda.backends.triton.storage import storage_dtype
+from kda.backends.triton.storage import dot_precision, storage_dtype
 from kda.errors import KDAInputError
 from kda.spec import GateMode, KDASpec, cu_seqlens_violation
 
@@ -67,7 +67,7 @@ def plan_forward(
     BK, BV_all = _block(K), _block(V)
     major = None if device.type != "cuda" else torch.cuda.get_device_capability(device)[0]
     config = launch_config(major, K, V)
-    precision = "ieee" if spec.dtype == torch.float32 else "tf32"
+    precision = dot_precision(spec)
 
     q, k, v, g, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
     A_log = None if inputs.A_log is None else inputs.A_log.contiguous()
@@ -100,7 +100,7 @@ def plan_forward(
         gate_cumsum_kernel[(NT, HV, triton.cdiv(K, BKg))](
             g, A_log if A_log is not None else G, dt_bias if dt_bias is not None else G, G,
             layout.chunk_starts, layout.chunk_seq_ends, float(spec.lower_bound or 0.0),
-            HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BKg,
+            HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BKg, BC=SUB_CHUNK,
             num_warps=config.gate_warps,
         )
 

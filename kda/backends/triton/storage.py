@@ -20,6 +20,16 @@ error on random values, against 1.7e-3 for round-to-nearest), which would make i
 twice as wrong as compiled ones. `stored` therefore rounds to nearest-even by integer arithmetic first
 when ``ROUND`` is set, which the host sets only under the interpreter; a compiled kernel leaves the
 conversion to the hardware.
+
+Matrix products (`dot_precision`): IEEE fp32 for fp32 inputs; TF32 tensor cores for bf16/fp16 inputs at
+inference; ``tf32x3`` (three TF32 products that recover fp32's accuracy) for bf16/fp16 when training. On
+the GPU a TF32 product reads its fp32 operands truncated to 10 mantissa bits, not rounded. That was
+reproduced on the CPU by making the interpreter truncate the same way (`tests/tf32.py`): it moved two
+bf16 training cases' ``dA_log`` from 2e-5 to 1.17e-2 and 1.27e-2 of the float64 reference, what the H200
+had measured to three digits (1.18e-2, 1.28e-2; tolerance 1e-2), while the other gradients stayed near
+2e-3. ``dA_log = sum_t a_t da_t`` is a sum whose terms cancel, so it keeps the products' relative error
+and shows it. The forward's output at inference takes the truncation well (bf16 ``o`` at 0.47 of its
+tolerance on the H200), so it keeps the cheaper products.
 """
 
 from __future__ import annotations
@@ -29,6 +39,13 @@ import triton
 import triton.language as tl
 
 from kda.spec import KDASpec
+
+
+def dot_precision(spec: KDASpec) -> str:
+    """``input_precision`` of every ``tl.dot`` in the forward and backward kernels of this call."""
+    if spec.dtype == torch.float32:
+        return "ieee"
+    return "tf32x3" if spec.requires_grad else "tf32"
 
 
 def storage_dtype(spec: KDASpec) -> torch.dtype:

@@ -221,9 +221,10 @@ def random_cases(draw) -> VerificationCase:
         seq_lens = seq_lens + (1,)
     group = draw(st.sampled_from([2, 3])) if gva else 1
     K, V = draw(st.integers(4, 40)), draw(st.integers(4, 40))
+    # Every regime, fp32 softplus training included: since G is scanned 16 rows at a time (version 6), 240
+    # such extreme cases drawn like these all passed, dA_log at median 1.2e-5, p95 1.1e-4, worst 5.9e-4 of
+    # the 1e-3 tolerance (they were excluded while test_dA_log_at_the_fp32_decay_limit was a strict xfail).
     regime = draw(st.sampled_from(["realistic", "extreme"]))
-    if training and cc.gate is GateMode.SOFTPLUS and cc.dtype == "float32":
-        regime = "realistic"  # extreme: the open fp32 limit pinned by test_known_dA_log_limit_of_fp32_decay
     B = 1 if varlen else draw(st.integers(1, 2))
     if not varlen:
         seq_lens = seq_lens * B

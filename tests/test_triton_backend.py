@@ -209,8 +209,9 @@ def random_cases(draw) -> VerificationCase:
     cc = case_class(
         gate=draw(st.sampled_from(list(GateMode))), qk_l2norm=draw(st.booleans()),
         beta=draw(st.sampled_from(["given", "sigmoid", "sigmoid2"])),
-        # bf16 is left to the fixed cases: the interpreter converts fp32 -> bf16 by truncation (twice a GPU's
-        # round-to-nearest error), which a one-token, four-column output can push past 5e-3 (seen in CI).
+        # bf16 is left to the fixed cases: with the intermediates stored in bf16, tiny random outputs come close
+        # to the 5e-3 tolerance (160 drawn alike offline, with the GPU's products: all passed, worst error 0.95
+        # of the tolerance, median 0.59; 0.92 with exact products), too close for a test that must not flake.
         dtype=draw(st.sampled_from(["float32", "float16"])), varlen=varlen, gva=gva,
         initial_state=draw(st.booleans()), final_state=draw(st.booleans()), state_v_first=draw(st.booleans()),
         chunk_size=chunk, training=training,

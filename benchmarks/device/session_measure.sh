@@ -33,6 +33,9 @@
 #           the forward bench with --tune, so that auto learns where triton is fastest (GPU 0)
 #   s5e     (one GPU) session 5, call 5, version 9 (training multiplies in TF32x3): the training classes
 #           up to K = 128, then the training bench at one shape
+#   next6   (nvidia-h200-x2) for session 6, version 9 as shipped: the training classes up to K = 128 that
+#           session 5 could not finish, then the rest of the grid (GPU 1); training benches with TF32x3
+#           and the varlen forward bench (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -375,6 +378,35 @@ s5e)
   timeout "$(left 5)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
     --shape B4_T2048_H16_D128 --rounds 1 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
   echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  ;;
+next6)
+  # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's
+  # call 5 finished 14 of 23 before its deadline), then the whole grid. GPU 0: training at two shapes in
+  # both gate modes (TF32x3 products, never timed), then the varlen forward bench (last measured with
+  # version 3).
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    CASES=""; for key in $(python3 -m kda.verify --list-cases | grep "/train" | grep -v d256); do CASES="$CASES --case $key"; done
+    timeout "$(left 200)" python3 -m kda.verify --backend triton --jobs 12 $CASES --work-dir "$W/verify-train-workers" \
+      --json "$W/verify-train.json" > "$W/verify-train.txt" 2> "$W/verify-train.err"
+    echo "verify train rc=$?" > "$W/verify-train.rc"
+    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
+      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
+    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  sleep 150  # auto and the bench trust only verified backends: the training classes first
+  timeout "$(left 200)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
+    --mode train_pregated --shape B4_T2048_H16_D128 --shape B1_T8192_H96_D128 --out "$W/bench-train" \
+    > "$W/bench-train.txt" 2> "$W/bench-train.err"
+  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  VARLEN=""; for shape in $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"); do
+    VARLEN="$VARLEN --shape $shape"; done
+  timeout "$(left 25)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
+    $VARLEN --out "$W/bench-fwd-varlen" > "$W/bench-fwd-varlen.txt" 2> "$W/bench-fwd-varlen.err"
+  echo "bench fwd varlen rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-varlen.err" | head -20
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt" "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s4c)
   # Session 4, call 3 (one GPU): the K = 256 settings (stages, sweep at B8_T2048_H32_D256), then the

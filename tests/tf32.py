@@ -3,8 +3,8 @@
 The interpreter computes every ``tl.dot`` as an exact fp32 matrix product, whatever ``input_precision``
 the kernel asked for. A GPU does not: with ``"tf32"`` the tensor cores read each fp32 operand with its
 mantissa truncated to TF32's 10 bits (not rounded: measured, see below), and ``"tf32x3"`` splits each
-operand into a TF32 part and the TF32 rounding of the rest and sums three such products, which recovers
-about fp32's accuracy. `emulate_gpu_dots` makes the interpreter do the same, so that CPU tests see the
+operand into its TF32 rounding and the rest and sums three TF32 products of the parts (Triton's F32DotTC
+pass), which recovers about fp32's accuracy. `emulate_gpu_dots` makes the interpreter do the same, so that CPU tests see the
 numbers the kernels give on a GPU.
 
 How it was pinned down (session 5): two bf16 training cases failed on the H200 with ``dA_log`` 1.18e-2
@@ -52,8 +52,11 @@ def emulate_gpu_dots(monkeypatch) -> None:
             return exact(self, handle(truncate_to_tf32(a.data), a), handle(truncate_to_tf32(b.data), b), d,
                          input_precision, max_num_imprecise_acc)
         if input_precision == ir.INPUT_PRECISION.TF32x3:
+            # Triton's F32DotTC pass: big = cvt.rna(x), small = x - big in fp32, then three TF32 products
+            # (small * big, big * small, big * big, accumulated in that order), whose operands the tensor
+            # cores truncate: the big parts are TF32 already, the small parts lose their low bits.
             a_big, b_big = round_to_tf32(a.data), round_to_tf32(b.data)
-            a_small, b_small = round_to_tf32(a.data - a_big), round_to_tf32(b.data - b_big)
+            a_small, b_small = truncate_to_tf32(a.data - a_big), truncate_to_tf32(b.data - b_big)
             out = exact(self, handle(a_small, a), handle(b_big, b), d, input_precision, max_num_imprecise_acc)
             out = exact(self, handle(a_big, a), handle(b_small, b), out, input_precision, max_num_imprecise_acc)
             return exact(self, handle(a_big, a), handle(b_big, b), out, input_precision, max_num_imprecise_acc)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 TF32_DROPPED_BITS = 13  # fp32 keeps 23 mantissa bits, TF32 10
+_KEPT = np.uint32((0xFFFFFFFF << TF32_DROPPED_BITS) & 0xFFFFFFFF)  # sign, exponent and TF32's mantissa
 
 
 def truncate_to_tf32(x: np.ndarray) -> np.ndarray:
     """What a tensor core reads of an fp32 array: the low 13 mantissa bits dropped."""
     if x.dtype != np.float32:
         return x
-    return (x.view(np.uint32) & np.uint32(0xFFFFFFFF << TF32_DROPPED_BITS & 0xFFFFFFFF)).view(np.float32)
+    return (x.view(np.uint32) & _KEPT).view(np.float32)
 
 
 def round_to_tf32(x: np.ndarray) -> np.ndarray:
@@ -32,7 +33,7 @@ def round_to_tf32(x: np.ndarray) -> np.ndarray:
     if x.dtype != np.float32:
         return x
     bits = x.view(np.uint32).astype(np.uint64) + (1 << (TF32_DROPPED_BITS - 1))
-    return (bits.astype(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+    return (bits.astype(np.uint32) & _KEPT).view(np.float32)
 
 
 def emulate_gpu_dots(monkeypatch) -> None:

@@ -67,6 +67,27 @@ finish() {
   ls -la "$OUT"
 }
 
+# Steps the phases from session 5 on share. RESERVE: seconds to leave before the deadline.
+verify_triton() {  # RESERVE JOBS NAME [more kda.verify arguments]: logs, JSON and rc under $W/NAME*
+  local reserve=$1 jobs=$2 name=$3; shift 3
+  timeout "$(left "$reserve")" python3 -m kda.verify --backend triton --jobs "$jobs" "$@" \
+    --work-dir "$W/$name-workers" --json "$W/$name.json" > "$W/$name.txt" 2> "$W/$name.err"
+  echo "$name rc=$?" > "$W/$name.rc"
+}
+bench() {  # RESERVE NAME [kda.bench arguments]: results under $W/NAME, its rows echoed
+  local reserve=$1 name=$2; shift 2
+  timeout "$(left "$reserve")" python3 -m kda.bench "$@" --out "$W/$name" > "$W/$name.txt" 2> "$W/$name.err"
+  echo "$name rc=$?"; grep -E " ok | fail|rror" "$W/$name.err" | head -20
+}
+shape_args() { for shape in "$@"; do printf -- '--shape %s ' "$shape"; done; }
+training_case_args() {  # every training class up to K = 128 (training above is refused on CUDA)
+  for key in $(python3 -m kda.verify --list-cases | grep "/train" | grep -v d256); do printf -- '--case %s ' "$key"; done
+}
+stages() {  # RESERVE [triton_stages.py arguments]
+  local reserve=$1; shift
+  timeout "$(left "$reserve")" python3 benchmarks/triton_stages.py "$@" > "$W/$([ "$1" = --sweep ] && echo sweep || echo stages).txt" 2>&1
+}
+
 case "$PHASE" in
 verify)
   timeout "$(left 30)" python3 -m kda.verify --all --with-bench-classes --jobs "${VERIFY_JOBS:-14}" \
@@ -278,22 +299,12 @@ s5)
   # Session 5, call 1 (nvidia-h200-x2), run from the experiment branch. GPU 1: the triton forward over the
   # grid's forward classes and the bench classes. GPU 0: stages at two shapes, the sweep at B1, then the
   # forward and pre-gated forward benches at the six dense shapes beside FLA.
-  ( export CUDA_VISIBLE_DEVICES=1
-    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 10 \
-      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
-    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  ( export CUDA_VISIBLE_DEVICES=1; verify_triton 20 10 verify-triton --with-bench-classes ) &
   export CUDA_VISIBLE_DEVICES=0
-  timeout "$(left 470)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B8_T2048_H32_D256 > "$W/stages.txt" 2>&1
-  cat "$W/stages.txt"
-  timeout "$(left 330)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
-  cat "$W/sweep.txt"
-  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
-  timeout "$(left 130)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd $SHAPES \
-    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
-  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
-  timeout "$(left 25)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd_pregated $SHAPES \
-    --out "$W/bench-fwd-pregated" > "$W/bench-fwd-pregated.txt" 2> "$W/bench-fwd-pregated.err"
-  echo "bench fwd_pregated rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-pregated.err" | head -20
+  stages 470 B1_T8192_H96_D128 B8_T2048_H32_D256; cat "$W/stages.txt"
+  stages 330 --sweep B1_T8192_H96_D128; cat "$W/sweep.txt"
+  bench 130 bench-fwd --backend baseline:fla --backend triton --mode fwd $(shape_args $DENSE)
+  bench 25 bench-fwd-pregated --backend baseline:fla --backend triton --mode fwd_pregated $(shape_args $DENSE)
   wait
   cat "$W"/*.rc; tail -n 8 "$W/verify-triton.txt"; grep -i -E "fail|error" "$W/verify-triton.txt" | head -20
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
@@ -303,25 +314,14 @@ s5b)
   # GPU 0: stages at B1 (the gate's 16-row scans), the sweep (with the intra_block_k variants never timed),
   # the forward and pre-gated forward benches at the six dense shapes, then training at one shape.
   export KDA_TRITON_EXPERIMENTAL=1
-  ( export CUDA_VISIBLE_DEVICES=1
-    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
-      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
-    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  ( export CUDA_VISIBLE_DEVICES=1; verify_triton 20 12 verify-triton --with-bench-classes ) &
   export CUDA_VISIBLE_DEVICES=0
-  timeout "$(left 480)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 > "$W/stages.txt" 2>&1
-  cat "$W/stages.txt"
-  timeout "$(left 360)" python3 benchmarks/triton_stages.py --sweep B1_T8192_H96_D128 > "$W/sweep.txt" 2>&1
-  cat "$W/sweep.txt"
-  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
-  timeout "$(left 200)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd $SHAPES \
-    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
-  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
-  timeout "$(left 110)" python3 -m kda.bench --backend baseline:fla --backend triton --mode fwd_pregated $SHAPES \
-    --out "$W/bench-fwd-pregated" > "$W/bench-fwd-pregated.txt" 2> "$W/bench-fwd-pregated.err"
-  echo "bench fwd_pregated rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-pregated.err" | head -20
-  timeout "$(left 25)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
-    --mode train_pregated --shape B4_T2048_H16_D128 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
-  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  stages 480 B1_T8192_H96_D128; cat "$W/stages.txt"
+  stages 360 --sweep B1_T8192_H96_D128; cat "$W/sweep.txt"
+  bench 200 bench-fwd --backend baseline:fla --backend triton --mode fwd $(shape_args $DENSE)
+  bench 110 bench-fwd-pregated --backend baseline:fla --backend triton --mode fwd_pregated $(shape_args $DENSE)
+  bench 25 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
+    --shape B4_T2048_H16_D128
   wait
   cat "$W"/*.rc; tail -n 6 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
@@ -331,19 +331,11 @@ s5c)
   # sweep). GPU 1: the grid, training included. GPU 0: stages at B1 and D256, the intra warps at D256,
   # then the forward bench with auto at the six dense shapes.
   export KDA_TRITON_EXPERIMENTAL=1
-  ( export CUDA_VISIBLE_DEVICES=1
-    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
-      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
-    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  ( export CUDA_VISIBLE_DEVICES=1; verify_triton 20 12 verify-triton --with-bench-classes ) &
   export CUDA_VISIBLE_DEVICES=0
-  timeout "$(left 420)" python3 benchmarks/triton_stages.py B1_T8192_H96_D128 B8_T2048_H32_D256 > "$W/stages.txt" 2>&1
-  cat "$W/stages.txt"
-  SWEEP_ONLY=intra_warps timeout "$(left 330)" python3 benchmarks/triton_stages.py --sweep B8_T2048_H32_D256 > "$W/sweep.txt" 2>&1
-  cat "$W/sweep.txt"
-  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
-  timeout "$(left 25)" python3 -m kda.bench --backend baseline:fla --backend triton --backend auto --mode fwd $SHAPES \
-    --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
-  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
+  stages 420 B1_T8192_H96_D128 B8_T2048_H32_D256; cat "$W/stages.txt"
+  SWEEP_ONLY=intra_warps stages 330 --sweep B8_T2048_H32_D256; cat "$W/sweep.txt"
+  bench 25 bench-fwd --backend baseline:fla --backend triton --backend auto --mode fwd $(shape_args $DENSE)
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
@@ -352,32 +344,22 @@ s5d)
   # Session 5, call 4 (nvidia-h200-x2), version 8. GPU 1: the grid, training included. GPU 0: the forward
   # bench with --tune at the six dense shapes (auto's timing table for version 8).
   export KDA_TRITON_EXPERIMENTAL=1
-  ( export CUDA_VISIBLE_DEVICES=1
-    timeout "$(left 15)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
-      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
-    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+  ( export CUDA_VISIBLE_DEVICES=1; verify_triton 15 12 verify-triton --with-bench-classes ) &
   export CUDA_VISIBLE_DEVICES=0
   sleep 200  # auto trusts only verified backends: let GPU 1 verify the bench classes first
-  SHAPES=""; for shape in $DENSE; do SHAPES="$SHAPES --shape $shape"; done
-  timeout "$(left 15)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
-    $SHAPES --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
-  echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -20
+  bench 15 bench-fwd --tune --backend baseline:fla --backend triton --backend auto --mode fwd $(shape_args $DENSE)
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s5e)
   # Session 5, call 5 (one GPU, about 4 minutes of device time left), version 9: training's products in
-  # TF32x3 (version 8 failed two bf16 training classes on dA_log with TF32). The 21 training classes up
+  # TF32x3 (version 8 failed two bf16 training classes on dA_log with TF32). The 23 training classes up
   # to K = 128 (8 processes), then the training bench at B4_T2048_H16_D128.
   export KDA_TRITON_EXPERIMENTAL=1
-  CASES=""; for key in $(python3 -m kda.verify --list-cases | grep "/train" | grep -v d256); do CASES="$CASES --case $key"; done
-  timeout "$(left 60)" python3 -m kda.verify --backend triton --jobs 8 $CASES \
-    --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
-  echo "verify triton rc=$?"; tail -n 3 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -10
-  timeout "$(left 5)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
-    --shape B4_T2048_H16_D128 --rounds 1 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
-  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
+  verify_triton 60 8 verify-triton $(training_case_args)
+  cat "$W/verify-triton.rc"; tail -n 3 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -10
+  bench 5 bench-train --backend baseline:fla --backend triton --mode train_safe --shape B4_T2048_H16_D128 --rounds 1
   ;;
 next6)
   # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's
@@ -386,24 +368,14 @@ next6)
   # version 3).
   export KDA_TRITON_EXPERIMENTAL=1
   ( export CUDA_VISIBLE_DEVICES=1
-    CASES=""; for key in $(python3 -m kda.verify --list-cases | grep "/train" | grep -v d256); do CASES="$CASES --case $key"; done
-    timeout "$(left 200)" python3 -m kda.verify --backend triton --jobs 12 $CASES --work-dir "$W/verify-train-workers" \
-      --json "$W/verify-train.json" > "$W/verify-train.txt" 2> "$W/verify-train.err"
-    echo "verify train rc=$?" > "$W/verify-train.rc"
-    timeout "$(left 20)" python3 -m kda.verify --backend triton --with-bench-classes --jobs 12 \
-      --work-dir "$W/verify-triton-workers" --json "$W/verify-triton.json" > "$W/verify-triton.txt" 2> "$W/verify-triton.err"
-    echo "verify triton rc=$?" > "$W/verify-triton.rc" ) &
+    verify_triton 200 12 verify-train $(training_case_args)
+    verify_triton 20 12 verify-triton --with-bench-classes ) &
   export CUDA_VISIBLE_DEVICES=0
   sleep 150  # auto and the bench trust only verified backends: the training classes first
-  timeout "$(left 200)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
-    --mode train_pregated --shape B4_T2048_H16_D128 --shape B1_T8192_H96_D128 --out "$W/bench-train" \
-    > "$W/bench-train.txt" 2> "$W/bench-train.err"
-  echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
-  VARLEN=""; for shape in $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"); do
-    VARLEN="$VARLEN --shape $shape"; done
-  timeout "$(left 25)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
-    $VARLEN --out "$W/bench-fwd-varlen" > "$W/bench-fwd-varlen.txt" 2> "$W/bench-fwd-varlen.err"
-  echo "bench fwd varlen rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd-varlen.err" | head -20
+  bench 200 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
+    $(shape_args B4_T2048_H16_D128 B1_T8192_H96_D128)
+  bench 25 bench-fwd-varlen --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
+    $(shape_args $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"))
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt" "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null

@@ -3,6 +3,7 @@
     python benchmarks/triton_stages.py B1_T8192_H96_D128 [more shapes]
     python benchmarks/triton_stages.py --sweep B1_T8192_H96_D128        # launch-setting variants
     ncu ... python benchmarks/triton_stages.py --once B1_T8192_H96_D128 # each stage launched once, for a profiler
+    python benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128  # training: kernels per variant
 
 Prints, per stage, the first call's seconds (compilation included, on a cold Triton cache), the median
 ms (`triton.testing.do_bench`), the bytes it must move at least (reads and writes of its inputs,
@@ -95,6 +96,14 @@ SWEEP = [
     {"intra_block_k": 32},
     {"intra_block_k": 64, "intra_warps": 8},
     {"intra_block_k": 32, "intra_block_w": 16},
+    # Session 6: the state pass and the output on half-width tensor cores (operands half the registers)
+    {"state_block_v": 128, "state_warps": 8, "state_stages": 2},
+    {"state_block_v": 128, "state_warps": 4, "state_stages": 2},
+    {"state_stages": 3},
+    {"output_block_v": 128, "output_warps": 4},
+    {"output_warps": 4},
+    {"output_warps": 8},
+    {"intra_half_products": True},
 ]
 
 
@@ -104,8 +113,8 @@ def sweep(names: list[str]) -> None:
     for name in names or ["B1_T8192_H96_D128"]:
         spec, call = forward_call(name)
         shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
-        only = os.environ.get("SWEEP_ONLY")  # e.g. "intra_warps": the variants whose text contains it
-        for change in [c for c in SWEEP if not only or not c or only in str(c)]:
+        only = os.environ.get("SWEEP_ONLY")  # e.g. "intra_warps|output": the variants whose text contains one
+        for change in [c for c in SWEEP if not only or not c or any(part in str(c) for part in only.split("|"))]:
             config = dataclasses.replace(shipped, **change)
             triton_forward_module.launch_config = lambda *_, config=config: config
             try:
@@ -115,6 +124,88 @@ def sweep(names: list[str]) -> None:
                 print(f"{name} {change or 'shipped'} total={sum(times.values()):.3f} ms  {shown}")
             except Exception as error:  # e.g. out of shared memory: report and go on
                 print(f"{name} {change}: {type(error).__name__}: {str(error)[:200]}")
+        triton_forward_module.launch_config = launch_config
+        torch.cuda.empty_cache()
+
+
+# Variants for `--train-sweep`: launch settings of the backward, which kernels multiply in TF32x3 (keys
+# "precision.<kernel>" set `storage.TRAINING_<KERNEL>`), and "pairs" (the backward's PAIRS timing hook:
+# 0 leaves out its pairwise terms, 1 their diagonal blocks). {"backward_block_v": 16} is left out: on the
+# H200 (Triton 3.6) it ended in an illegal memory access that took every later variant of the process.
+TRAIN_SWEEP = [
+    {},
+    {"pairs": 0},
+    {"pairs": 1},
+    {"backward_warps": 4},
+    {"backward_block_v": 64, "backward_stages": 1},
+    {"backward_state_warps": 8},
+    {"backward_state_block_v": 32},
+    {"precision.backward_chunk": "tf32"},
+    {"precision.backward_state": "tf32"},
+    {"precision.state": "tf32"},
+    {"precision.intra": "tf32"},
+]
+
+
+class _WithPairs:
+    """`bwd_chunk_kernel` launched with its PAIRS timing hook set."""
+
+    def __init__(self, kernel, pairs: int) -> None:
+        self.kernel, self.pairs = kernel, pairs
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, PAIRS=self.pairs, **kwargs)
+
+
+def train_sweep(names: list[str]) -> None:
+    """Forward (saving for the backward) and backward of the bench's `train_safe` inputs, GPU time per
+    kernel under each `TRAIN_SWEEP` variant (torch.profiler; the backward's elementwise tail in torch is
+    summed as "torch")."""
+    from profile_kernels import kernel_table
+
+    from kda.backends.triton import backward, storage
+
+    for name in names or ["B4_T2048_H16_D128"]:
+        inputs = make_inputs(BenchShape.parse(name), MODES["train_safe"], "cuda", seed=0)
+        spec = kda.KDASpec.from_call(**inputs.kwargs, requires_grad=True)
+        call = KDAInputs(**{n: inputs.kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in inputs.kwargs})
+        shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
+        defaults = {attr: getattr(storage, attr) for attr in dir(storage) if attr.startswith("TRAINING_")}
+        only = os.environ.get("SWEEP_ONLY")
+        index = os.environ.get("SWEEP_INDEX")  # one variant per process: a crash takes no other variant
+        chosen = [TRAIN_SWEEP[int(index)]] if index else TRAIN_SWEEP
+        for change in [c for c in chosen if not only or not c or any(part in str(c) for part in only.split("|"))]:
+            launch = {key: value for key, value in change.items() if not key.startswith("precision.") and key != "pairs"}
+            config = dataclasses.replace(shipped, **launch)
+            triton_forward_module.launch_config = lambda *_, config=config: config
+            for key, value in change.items():
+                if key.startswith("precision."):
+                    setattr(storage, "TRAINING_" + key.split(".", 1)[1].upper(), value)
+            chunk_kernel = backward.bwd_chunk_kernel
+            if "pairs" in change:
+                backward.bwd_chunk_kernel = _WithPairs(chunk_kernel, change["pairs"])
+
+            def step() -> None:
+                stages, finish = plan_forward(call, spec)
+                for _, run in stages:
+                    run()
+                backward.triton_backward(call, spec, finish().saved, inputs.do, None)
+
+            try:
+                for _ in range(2):
+                    step()
+                rows = kernel_table(step, 5)
+                kernels = {kernel: us for kernel, _, us in rows if not kernel.startswith(("void", "Memset"))}
+                torch_us = sum(us for kernel, _, us in rows if kernel.startswith(("void", "Memset")))
+                shown = " ".join(f"{kernel.replace('_kernel', '')}={us / 1e3:.3f}" for kernel, us in kernels.items())
+                total = (sum(kernels.values()) + torch_us) / 1e3
+                print(f"{name} {change or 'shipped'} total={total:.3f} ms  {shown} torch={torch_us / 1e3:.3f}", flush=True)
+            except Exception as error:  # e.g. out of shared memory: report and go on
+                print(f"{name} {change}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            for attr, value in defaults.items():
+                setattr(storage, attr, value)
+            backward.bwd_chunk_kernel = chunk_kernel
         triton_forward_module.launch_config = launch_config
         torch.cuda.empty_cache()
 
@@ -132,6 +223,8 @@ def once(names: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--sweep"]:
         sweep(sys.argv[2:])
+    elif sys.argv[1:2] == ["--train-sweep"]:
+        train_sweep(sys.argv[2:])
     elif sys.argv[1:2] == ["--once"]:
         once(sys.argv[2:])
     else:

@@ -253,8 +253,10 @@ def record(device: torch.device | str, shape: str, point: ShapePoint, timings: d
 
 
 def rank(spec: KDASpec, usable: list[tuple[str, str, int]]) -> tuple[list[str], Ranking | None]:
-    """Order usable backends ``(name, version, priority)`` for an auto call: measured at the nearest tuned
-    shape first (fastest first), the rest by priority. Returns the order and what the table said."""
+    """Order usable backends ``(name, version, priority)`` for an auto call. Priority gives the places; the
+    backends measured at the nearest tuned shape swap among their own places, fastest first, and an
+    unmeasured backend keeps its place: a measurement compares only what it measured, so a backend timed
+    alone never passes an untimed one of higher priority. Returns the order and what the table said."""
     by_priority = [name for name, _, _ in sorted(usable, key=lambda u: -u[2])]
     table = load(spec.device)
     if table is None:
@@ -268,5 +270,6 @@ def rank(spec: KDASpec, usable: list[tuple[str, str, int]]) -> tuple[list[str], 
              if name in versions and m.backend_version == versions[name]}
     if not timed:
         return by_priority, None
-    order = sorted(timed, key=timed.__getitem__) + [n for n in by_priority if n not in timed]
+    fastest_first = iter(sorted(timed, key=timed.__getitem__))
+    order = [next(fastest_first) if name in timed else name for name in by_priority]
     return order, Ranking(entry.shape, distance, timed)

@@ -117,6 +117,10 @@ def test_stale_or_corrupt_tables_fall_back_to_priority(seed):
     assert timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)]) == (["torch", "faster"], None)
 
     timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"faster": Measurement(1.0, "3")})
+    # Timed alone it does not pass torch, untimed and of higher priority (the H200's fwd_pregated rows, where
+    # only triton had been timed, sent auto to triton at 0.67x FLA); timed together, the faster goes first.
+    assert timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)])[0] == ["torch", "faster"]
+    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"torch": Measurement(2.0, TORCH_VERSION)})
     assert timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)])[0] == ["faster", "torch"]
 
     good = path.read_text()

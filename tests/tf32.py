@@ -47,6 +47,9 @@ def emulate_gpu_dots(monkeypatch) -> None:
         return interpreter.TensorHandle(data, like.dtype.scalar)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        # The interpreter stores bf16 as uint16 and its dot multiplies those bit patterns: the kernels widen
+        # bf16 operands to fp32 under the interpreter (`storage.operand`); reaching this is a kernel bug.
+        assert a.data.dtype != np.uint16 and b.data.dtype != np.uint16, "bf16 tl.dot in the interpreter"
         if a.data.dtype != np.float32 or b.data.dtype != np.float32:
             return exact(self, a, b, d, input_precision, max_num_imprecise_acc)
         if input_precision == ir.INPUT_PRECISION.TF32:

@@ -36,6 +36,20 @@
 #   next6   (nvidia-h200-x2) for session 6, version 9 as shipped: the training classes up to K = 128 that
 #           session 5 could not finish, then the rest of the grid (GPU 1); training benches with TF32x3
 #           and the varlen forward bench (GPU 0)
+#   s6a     (nvidia-h200-x2) session 6, call 1, version 9: the training classes up to K = 128 (GPU 1);
+#           per-kernel profiles of FLA and triton, forward and training, and triton's stages (GPU 0)
+#   s6b     (nvidia-h200-x2) session 6, call 2, version 10 (state and output on half-width tensor cores at
+#           inference; training's output in TF32): the grid (GPU 1); stages, state/output sweep, training
+#           sweep of the backward's settings and products (GPU 0)
+#   s6c     (nvidia-h200-x2) session 6, call 3, version 11 (the backward's per-chunk kernel in two V passes,
+#           its [C, K] tiles loaded late): the training classes (GPU 1); the training sweep, one variant a
+#           process, with the PAIRS timing hook (GPU 0)
+#   s6d     (nvidia-h200-x2) session 6, call 4, version 12 (the backward's diagonal blocks by products,
+#           TF32 in intra and the backward state pass when training, output BV 128): the grid (GPU 1);
+#           the bench's classes, then the forward bench with --tune, the training bench and the varlen
+#           forward bench, then the training sweep and the stages (GPU 0)
+#   s6e     (nvidia-h200-x2) session 6, call 5, version 12 as verified in call 4: the training bench at one
+#           shape in both gate modes (GPU 0), the varlen forward bench at the H96 shapes (GPU 1)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -78,6 +92,10 @@ bench() {  # RESERVE NAME [kda.bench arguments]: results under $W/NAME, its rows
   local reserve=$1 name=$2; shift 2
   timeout "$(left "$reserve")" python3 -m kda.bench "$@" --out "$W/$name" > "$W/$name.txt" 2> "$W/$name.err"
   echo "$name rc=$?"; grep -E " ok | fail|rror" "$W/$name.err" | head -20
+}
+bench_case_args() {  # the case classes of the bench's default shapes and modes
+  for key in $(python3 -c "from kda.bench.shapes import DEFAULT_SHAPES, MODES, case_class_keys
+print(' '.join(case_class_keys(DEFAULT_SHAPES, list(MODES))))"); do printf -- '--case %s ' "$key"; done
 }
 shape_args() { for shape in "$@"; do printf -- '--shape %s ' "$shape"; done; }
 training_case_args() {  # every training class up to K = 128 (training above is refused on CUDA)
@@ -360,6 +378,82 @@ s5e)
   verify_triton 60 8 verify-triton $(training_case_args)
   cat "$W/verify-triton.rc"; tail -n 3 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -10
   bench 5 bench-train --backend baseline:fla --backend triton --mode train_safe --shape B4_T2048_H16_D128 --rounds 1
+  ;;
+s6a)
+  # Session 6, call 1 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 that session 5
+  # left unfinished. GPU 0: where the time goes, kernel by kernel, for FLA and for triton (unverified rows
+  # run with KDA_VERIFY=off: this is a profile, not a result), then triton's forward stages.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 20 12 verify-train $(training_case_args) ) &
+  export CUDA_VISIBLE_DEVICES=0
+  KDA_VERIFY=off timeout "$(left 200)" python3 benchmarks/profile_kernels.py --backend baseline:fla --backend triton \
+    --mode fwd B1_T8192_H96_D128 B8_T2048_H32_D256 B4_T2048_H16_D128 > "$W/profile-fwd.txt" 2>&1
+  KDA_VERIFY=off timeout "$(left 90)" python3 benchmarks/profile_kernels.py --backend baseline:fla --backend triton \
+    --mode train_safe B4_T2048_H16_D128 > "$W/profile-train.txt" 2>&1
+  stages 30 B1_T8192_H96_D128
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  grep -E " ms|us " "$W"/profile-*.txt | head -120; cat "$W/stages.txt"
+  ;;
+s6b)
+  # Session 6, call 2 (nvidia-h200-x2), version 10. GPU 1: the whole grid with the bench classes. GPU 0:
+  # forward stages, the state/output variants, then training kernel by kernel under the backward variants.
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 20 12 verify-triton --with-bench-classes ) &
+  export CUDA_VISIBLE_DEVICES=0
+  stages 300 B1_T8192_H96_D128
+  SWEEP_ONLY="state|output|half" stages 200 --sweep B1_T8192_H96_D128
+  timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 > "$W/train-sweep.txt" 2>&1
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  cat "$W/stages.txt" "$W/sweep.txt" "$W/train-sweep.txt"
+  ;;
+s6c)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 20 12 verify-train $(training_case_args) ) &
+  export CUDA_VISIBLE_DEVICES=0
+  for index in $(seq 0 10); do
+    SWEEP_INDEX=$index timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
+      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  done
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  cat "$W/train-sweep.txt"
+  ;;
+s6d)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 20 12 verify-grid ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 330 10 verify-bench $(bench_case_args)
+  bench 200 bench-fwd --tune --backend baseline:fla --backend triton --backend auto --mode fwd --mode fwd_pregated \
+    $(shape_args $DENSE)
+  bench 110 bench-train --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
+    --mode train_pregated $(shape_args B4_T2048_H16_D128 B1_T8192_H96_D128)
+  bench 60 bench-fwd-varlen --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
+    $(shape_args $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"))
+  SWEEP_INDEX=0 timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
+    2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  stages 15 B1_T8192_H96_D128 B8_T2048_H32_D256
+  wait
+  cat "$W"/*.rc; tail -n 4 "$W/verify-grid.txt" "$W/verify-bench.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  cat "$W/train-sweep.txt" "$W/stages.txt"
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  ;;
+s6e)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    bench 10 bench-fwd-varlen --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
+      $(shape_args varlen_H96_D128_L8192 varlen_H96_D128_L1300-547-2048-963-271-3063 varlen_H96_D128_L1024x8) ) &
+  export CUDA_VISIBLE_DEVICES=0
+  bench 10 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  wait
+  cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 next6)
   # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's

@@ -21,10 +21,10 @@ reference in the interpreter.
 
 On CUDA (run on an H200 since 2026-11-29): the forward is offered to everyone, and verified before
 use like every backend. Training is opt-in (``KDA_TRITON_EXPERIMENTAL=1``) and refused above K, V = 128
-(there the backward asked 248 KB of shared memory on the H200, over sm90's 227 KB). Its products are
-TF32x3 for bf16/fp16 (a GPU's TF32 truncates operands, which put ``dA_log`` over its tolerance in two
-classes); it has passed every training class up to 128 that ran on the H200, and runs at 0.34-0.37x FLA
-(timed before TF32x3). Verification catches wrong numbers, not a kernel that faults and takes the
+(there the backward asked 248 KB of shared memory on the H200, over sm90's 227 KB). For bf16/fp16 its
+products are TF32x3 in the two kernels where a GPU's truncated TF32 operands cost ``dA_log`` most, TF32
+elsewhere (`storage.dot_precisions`); version 12 passed every training class up to 128 on the H200 and
+runs at 0.36x FLA (B4_T2048_H16_D128). Verification catches wrong numbers, not a kernel that faults and takes the
 caller's CUDA context down with it.
 """
 
@@ -51,7 +51,7 @@ class TritonBackend(Backend):
     """kda's own Triton kernels (on CUDA: the forward; training opt-in)."""
 
     name = "triton"
-    version = "9"  # bump whenever a kernel changes: verification records are kept per version
+    version = "12"  # bump whenever a kernel changes: verification records are kept per version
     priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True

@@ -43,6 +43,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
     from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
     from kda.backends.triton.output import output_kernel
     from kda.backends.triton.state import state_pass_kernel
+    from kda.backends.triton.storage import TRAINING_BACKWARD_CHUNK, TRAINING_BACKWARD_STATE
 
     target = GPUTarget("cuda", capability * 10, 32)
     config = launch_config(capability, K, V)
@@ -69,22 +70,23 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
                         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all,
                          "BKC": min(BK, 32), "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
                          "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
-                         "DOT_PRECISION": "tf32", "SAVE": False, "ROUND": False},
+                         "DOT_PRECISION": "tf32", "SAVE": False, "ROUND": False,
+                         "STORED_OPERANDS": config.intra_half_products},
                         config.intra_warps, config.intra_stages),
         "state": shared(state_pass_kernel,
                         {"k_g": bf16, "w": bf16, "u": bf16, "G": f32, "h": bf16, "h0": f32, "ht": f32,
                          "bounds": i32, "chunk_offsets": i32},
                         {"HV": 8, "K": K, "V": V, "HAS_H0": True, "STORE_HT": True, "V_FIRST": False, "BT": C,
                          "BK": BK, "BV": min(config.state_block_v, BV_all), "DOT_PRECISION": "tf32",
-                         "ROUND": False},
+                         "ROUND": False, "STORED_OPERANDS": True},
                         config.state_warps, config.state_stages),
         "output": shared(output_kernel,
                          {"q": bf16, "G": f32, "h": bf16, "v_new": bf16, "A_qk": bf16, "o": bf16,
                           "chunk_starts": i32, "chunk_seq_ends": i32, "scale": "fp32"},
                          {**heads, "L2": True, "BT": C, "BK": BK, "BV": min(config.output_block_v, BV_all),
-                          "DOT_PRECISION": "tf32", "ROUND": False}, config.output_warps),
+                          "DOT_PRECISION": "tf32", "ROUND": False, "STORED_OPERANDS": True}, config.output_warps),
     }
-    # The backward, as training runs it (TF32x3 products), where the backend offers training on CUDA:
+    # The backward, as bf16 training runs it (`storage.dot_precisions`), where the backend offers training on CUDA:
     # K, V <= 128 (at 256 it needs more shared memory than sm90 has; see the backend's `supports`).
     if max(K, V) <= 128:
         needs["bwd_chunk"] = shared(
@@ -92,16 +94,17 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
             {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "h": f32, "dh": f32, "v_new": f32, "dd": f32,
              "do": bf16, "T_inv": f32, "A_qk": f32, "M": f32, "dq": f32, "dk": f32, "da": f32, "dv": f32,
              "dbeta": f32, "chunk_starts": i32, "chunk_seq_ends": i32, "scale": "fp32"},
-            {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": min(32, BV_all),
-             "BKC": min(BK, 16), "BC": SUB_CHUNK, "DOT_PRECISION": "tf32x3"},
+            {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK,
+             "BV": min(config.backward_block_v, BV_all), "BKC": min(BK, 16), "BC": SUB_CHUNK,
+             "DOT_PRECISION": TRAINING_BACKWARD_CHUNK, "PAIRS": 2},
             config.backward_warps, config.backward_stages)
         needs["bwd_state"] = shared(
             bwd_state_kernel,
             {"q": bf16, "k": bf16, "G": f32, "w": f32, "A_qk": f32, "do": bf16, "dd": f32, "dh": f32, "dht": f32,
              "dh0": f32, "bounds": i32, "chunk_offsets": i32, "scale": "fp32"},
             {**heads, "L2": True, "HAS_DHT": True, "STORE_DH0": True, "V_FIRST": False, "BT": C, "BK": BK,
-             "BV": min(config.state_block_v, BV_all), "DOT_PRECISION": "tf32x3"},
-            config.state_warps, 1)
+             "BV": min(config.backward_state_block_v, BV_all), "DOT_PRECISION": TRAINING_BACKWARD_STATE},
+            config.backward_state_warps, 1)
     return needs
 
 

@@ -33,6 +33,12 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.intra import SUB_CHUNK, _beta, _inv_norm, _rows
+
+# Largest decay span of a 16-row diagonal block (max |G_i - G_a| over its rows) that the backward takes by
+# products (`_diagonal_by_products`): their da is a difference of O(1) sums, whose fp32 residual dA_log
+# multiplies by the log decays, at most the span. 16 bounds that; realistic gates stay far below it, and
+# blocks above it (extreme or saturated gates) take the exact element-wise path.
+DIFFERENCE_SPAN = tl.constexpr(16.0)
 from kda.backends.triton.state import state_tile
 
 
@@ -112,6 +118,9 @@ def bwd_chunk_kernel(
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    # For timing only (`benchmarks/triton_stages.py --train-sweep`), wrong gradients otherwise: 0 leaves
+    # out the pairwise terms, 1 their diagonal blocks.
+    PAIRS: tl.constexpr = 2,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -129,31 +138,20 @@ def bwd_chunk_kernel(
     causal = r[:, None] >= r[None, :]
     strict = r[:, None] > r[None, :]
 
-    k_raw = tl.load(k + qk_off, mask=m_k, other=0.0).to(tl.float32)
-    q_raw = tl.load(q + qk_off, mask=m_k, other=0.0).to(tl.float32)
-    k_norm = _inv_norm(k_raw, L2)
-    q_norm = _inv_norm(q_raw, L2)
-    k_c = k_raw * k_norm[:, None]
-    q_c = q_raw * q_norm[:, None]
-    g_c = tl.load(G + k_off, mask=m_k, other=0.0)
-    last = end - 1
-    g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
     b_c = _beta(tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32), SIGMOID, TWO)
     b_c = tl.where(valid, b_c, 0.0)
-    e_g = tl.where(m_k, tl.exp(g_c), 0.0)
-    e_gc = tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
     t_inv = tl.load(T_inv + sq)
 
-    # Everything that sums over V, in blocks of BV columns (a [K, V] state never sits whole in a program):
-    #   dq~ = scale do S0^T, dQ = scale do d^T, dW = -dd S0^T, dk~ = d dS^T, sum_v S0 dS, dd (beta v)^T,
-    #   and per block: dY = T^T dd, dv = beta dY, dbeta += sum_v v dY.
+    # Everything that sums over V, in blocks of BV columns (a [K, V] state never sits whole in a program),
+    # in two passes so that fewer [C, K] accumulators are live at once (registers decide this kernel's
+    # speed: spilled, it took 9.4 ms at B4_T2048_H16_D128 where FLA's backward takes 1.2):
+    #   1. dq~ = scale do S0^T, dk~ = d dS^T, dQ = scale do d^T, sum_v S0 dS;
+    #   2. dW = -dd S0^T, dd (beta v)^T, and per block: dY = T^T dd, dv = beta dY, dbeta += sum_v v dY.
+    # The [C, K] rows of q, k and G are loaded after the passes, for the same reason.
     dqt = tl.zeros([BT, BK], dtype=tl.float32)
-    dW = tl.zeros([BT, BK], dtype=tl.float32)
     dkt = tl.zeros([BT, BK], dtype=tl.float32)
     dQ = tl.zeros([BT, BT], dtype=tl.float32)
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
     s0_ds = tl.zeros([BK], dtype=tl.float32)
-    db_c = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         vcols = i_v * BV + tl.arange(0, BV)
         m_v = valid[:, None] & (vcols[None, :] < V)
@@ -163,14 +161,24 @@ def bwd_chunk_kernel(
         S0 = tl.load(h + st, mask=st_mask, other=0.0)
         dS = tl.load(dh + st, mask=st_mask, other=0.0)
         d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
-        dd_b = tl.load(dd + v_off, mask=m_v, other=0.0)
         do_b = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
-        v_b = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
         dqt += tl.dot(do_b, tl.trans(S0), input_precision=DOT_PRECISION)
         dQ += tl.dot(do_b, tl.trans(d_b), input_precision=DOT_PRECISION)
-        dW -= tl.dot(dd_b, tl.trans(S0), input_precision=DOT_PRECISION)
         dkt += tl.dot(d_b, tl.trans(dS), input_precision=DOT_PRECISION)
         s0_ds += tl.sum(S0 * dS, axis=1)
+    dW = tl.zeros([BT, BK], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    db_c = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        vcols = i_v * BV + tl.arange(0, BV)
+        m_v = valid[:, None] & (vcols[None, :] < V)
+        v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+        st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
+        st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+        S0 = tl.load(h + st, mask=st_mask, other=0.0)
+        dd_b = tl.load(dd + v_off, mask=m_v, other=0.0)
+        v_b = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
+        dW -= tl.dot(dd_b, tl.trans(S0), input_precision=DOT_PRECISION)
         dT += tl.dot(dd_b, tl.trans(b_c[:, None] * v_b), input_precision=DOT_PRECISION)
         dY = tl.dot(tl.trans(t_inv), dd_b, input_precision=DOT_PRECISION)
         tl.store(dv + v_off, b_c[:, None] * dY, mask=m_v)
@@ -178,28 +186,35 @@ def bwd_chunk_kernel(
     dqt = scale * dqt
     dQ = tl.where(causal, scale * dQ, 0.0)
 
-    kt = k_c * e_gc
-    dq_c = dqt * e_g
+    # The rest in an order that ends each [C, K] tile's life early (stored as soon as complete).
+    g_c = tl.load(G + k_off, mask=m_k, other=0.0)
+    last = end - 1
+    g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
+    e_g = tl.where(m_k, tl.exp(g_c), 0.0)
+    e_gc = tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
+    q_raw = tl.load(q + qk_off, mask=m_k, other=0.0).to(tl.float32)
+    up_q = dqt * (q_raw * _inv_norm(q_raw, L2)[:, None])  # dq~ q, the q part of up below
+    tl.store(dq + k_off, dqt * e_g, mask=m_k)
+    k_raw = tl.load(k + qk_off, mask=m_k, other=0.0).to(tl.float32)
+    k_c = k_raw * _inv_norm(k_raw, L2)[:, None]
+    before = _sum_before(dkt * (k_c * e_gc))  # sum_{s < t} kt_s
     dk_c = dkt * e_gc
     # through W = T X (X = beta k e^G); U = T (beta v) was handled per V block above
     X = b_c[:, None] * k_c * e_g
     dT += tl.dot(dW, tl.trans(X), input_precision=DOT_PRECISION)
     dX = tl.dot(tl.trans(t_inv), dW, input_precision=DOT_PRECISION)
     db_c += tl.sum(k_c * e_g * dX, axis=1)
-    dk_c += b_c[:, None] * e_g * dX
+    tl.store(dk + k_off, dk_c + b_c[:, None] * e_g * dX, mask=m_k)
+    # da_t without the pairwise terms: sum_{s >= t} up_s + sum_{s < t} kt_s + e^(G_C) sum_v S0 dS
+    up = (up_q + b_c[:, None] * k_c * dX) * e_g
+    da_c = tl.cumsum(up, axis=0, reverse=True) + before + (tl.exp(g_last) * s0_ds)[None, :]
+    tl.store(da + k_off, da_c, mask=m_k)
     dA = tl.dot(tl.dot(tl.trans(t_inv), dT, input_precision=DOT_PRECISION), tl.trans(t_inv),
                 input_precision=DOT_PRECISION)
     dA = tl.where(strict, -dA, 0.0)
     m_kk = tl.load(M + sq)
     db_c += tl.sum(dA * m_kk, axis=1)
     dM = b_c[:, None] * dA
-    # da_t without the pairwise terms: sum_{s >= t} up_s + sum_{s < t} kt_s + e^(G_C) sum_v S0 dS
-    up = (dqt * q_c + b_c[:, None] * k_c * dX) * e_g
-    da_c = tl.cumsum(up, axis=0, reverse=True) + _sum_before(dkt * kt) + (tl.exp(g_last) * s0_ds)[None, :]
-
-    tl.store(dq + k_off, dq_c, mask=m_k)
-    tl.store(dk + k_off, dk_c, mask=m_k)
-    tl.store(da + k_off, da_c, mask=m_k)
     tl.store(dbeta + rows.to(tl.int64) * HV + i_hv, db_c, mask=valid)
     tl.debug_barrier()
 
@@ -210,9 +225,9 @@ def bwd_chunk_kernel(
     tl.store(A_qk + sq, dQ)
     tl.debug_barrier()
     for I in range(BT // BC):  # run-time loops here and below: unrolled, this kernel took 53 s to compile
-        if start + I * BC < end:
+        if start + I * BC < end and PAIRS > 0:
             _pairwise_row_block(q, k, G, M, A_qk, dq, dk, da, chunk * BT * BT, start, end, i_h, i_hv, I,
-                                H, HV, K, L2, BT, BK, BKC, BC, DOT_PRECISION)
+                                H, HV, K, L2, BT, BK, BKC, BC, DOT_PRECISION, PAIRS > 1)
 
 
 @triton.jit
@@ -232,7 +247,8 @@ def _sum_before(x):
 @triton.jit
 def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_hv, I,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        BK: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        DIAGONAL: tl.constexpr):
     """For rows ``i`` of sub-chunk I: ``rk_i = sum_j dM_ij k_j E_ij``, ``rq_i = sum_j dQ_ij k_j E_ij``, and for
     every earlier column ``j``: ``ck_j += sum_i (dM_ij k_i + dQ_ij q_i) E_ij``; then ``dk += rk + ck``,
     ``dq += rq``, and ``da_t += sum_{i >= t > j} P_ij`` over the pairs with i in sub-chunk I
@@ -242,7 +258,8 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
         j in J < I:  t in J, t > j:  sum_{j < t} k_j ck_j         (J's columns, exclusive prefix)
                      t between J and I: sum_j k_j ck_j            (every pair of the two blocks)
                      t in I, t <= i: sum_{i >= t} (k rk + q rq)_i  (I's rows, reverse cumsum)
-        j in I:      sum_{i >= t} sum_{j < t} P_ij                (the diagonal block, element by element)
+        j in I:      sum_{i >= t} sum_{j < t} P_ij                (the diagonal block: `_diagonal_by_products`,
+                                                                   or element by element)
     """
     sub = tl.arange(0, BC)
     cols = tl.arange(0, BK)
@@ -296,34 +313,74 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
     tl.store(da_i, tl.load(da_i, mask=m_i, other=0.0) + tl.cumsum(row, axis=0, reverse=True), mask=m_i)
     tl.debug_barrier()
 
-    # the diagonal block, element by element over K slices (exponents masked before exp)
+    # The diagonal block: by products against the block's anchor where its decay span allows (see
+    # `DIFFERENCE_SPAN`), else element by element over K slices (exponents masked before exp).
+    if not DIAGONAL:  # timing only (see PAIRS)
+        return
     blk = a_base + (I * BC + sub)[:, None] * BT + (I * BC + sub)[None, :]
     dM_ii = tl.load(dM + blk)
     dQ_ii = tl.load(dQ + blk)
-    keep = (sub[:, None] >= sub[None, :]) & valid_i[:, None]
-    before = sub[:, None] > sub[None, :]  # [t, j]: j < t
-    for c0 in range(0, BK, BKC):
-        cs = c0 + tl.arange(0, BKC)
-        m_s = valid_i[:, None] & (cs[None, :] < K)
-        ks = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * k_norm[:, None]
-        qs = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * q_norm[:, None]
-        gs = tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_s, other=0.0)
-        E = tl.exp(tl.where(keep[:, :, None], gs[:, None, :] - gs[None, :, :], float("-inf")))
-        PM = dM_ii[:, :, None] * E
-        PQ = dQ_ii[:, :, None] * E
-        rk_s = tl.sum(PM * ks[None, :, :], axis=1)
-        rq_s = tl.sum(PQ * ks[None, :, :], axis=1)
-        ck_s = tl.sum(PM * ks[:, None, :] + PQ * qs[:, None, :], axis=0)
-        # sum_{i >= t} sum_{j < t} P_ij: reverse cumsum over i, read at row t, summed over j < t
-        P = (PM * ks[:, None, :] + PQ * qs[:, None, :]) * ks[None, :, :]
-        da_s = tl.sum(tl.where(before[:, :, None], tl.cumsum(P, axis=0, reverse=True), 0.0), axis=1)
-        p_dk = _rows(dk, rows_i, i_hv, cs, HV, K)
-        p_dq = _rows(dq, rows_i, i_hv, cs, HV, K)
-        p_da = _rows(da, rows_i, i_hv, cs, HV, K)
-        tl.store(p_dk, tl.load(p_dk, mask=m_s, other=0.0) + rk_s + ck_s, mask=m_s)
-        tl.store(p_dq, tl.load(p_dq, mask=m_s, other=0.0) + rq_s, mask=m_s)
-        tl.store(p_da, tl.load(p_da, mask=m_s, other=0.0) + da_s, mask=m_s)
-        tl.debug_barrier()
+    span = tl.max(tl.max(tl.abs(g_i - anchor[None, :]), axis=1), axis=0)  # rows past the end hold G_a
+    if span <= DIFFERENCE_SPAN:
+        _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC,
+                              DOT_PRECISION)
+    else:
+        keep = (sub[:, None] >= sub[None, :]) & valid_i[:, None]
+        before = sub[:, None] > sub[None, :]  # [t, j]: j < t
+        for c0 in range(0, BK, BKC):
+            cs = c0 + tl.arange(0, BKC)
+            m_s = valid_i[:, None] & (cs[None, :] < K)
+            ks = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * k_norm[:, None]
+            qs = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * q_norm[:, None]
+            gs = tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_s, other=0.0)
+            E = tl.exp(tl.where(keep[:, :, None], gs[:, None, :] - gs[None, :, :], float("-inf")))
+            PM = dM_ii[:, :, None] * E
+            PQ = dQ_ii[:, :, None] * E
+            rk_s = tl.sum(PM * ks[None, :, :], axis=1)
+            rq_s = tl.sum(PQ * ks[None, :, :], axis=1)
+            ck_s = tl.sum(PM * ks[:, None, :] + PQ * qs[:, None, :], axis=0)
+            # sum_{i >= t} sum_{j < t} P_ij: reverse cumsum over i, read at row t, summed over j < t
+            P = (PM * ks[:, None, :] + PQ * qs[:, None, :]) * ks[None, :, :]
+            da_s = tl.sum(tl.where(before[:, :, None], tl.cumsum(P, axis=0, reverse=True), 0.0), axis=1)
+            p_dk = _rows(dk, rows_i, i_hv, cs, HV, K)
+            p_dq = _rows(dq, rows_i, i_hv, cs, HV, K)
+            p_da = _rows(da, rows_i, i_hv, cs, HV, K)
+            tl.store(p_dk, tl.load(p_dk, mask=m_s, other=0.0) + rk_s + ck_s, mask=m_s)
+            tl.store(p_dq, tl.load(p_dq, mask=m_s, other=0.0) + rq_s, mask=m_s)
+            tl.store(p_da, tl.load(p_da, mask=m_s, other=0.0) + da_s, mask=m_s)
+            tl.debug_barrier()
+
+
+@triton.jit
+def _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    """The diagonal block's terms of `_pairwise_row_block` by ``[16, 16] x [16, K]`` products, with
+    ``E_ij = late_i early_j`` against the block's first row ``a`` (``late = e^(G_i - G_a) <= 1``, ``early =
+    e^(G_a - G_j) <= e^span``; dM is strictly lower, dQ lower, so no kept product exceeds 1)::
+
+        rk_i = late_i sum_{j<i} dM_ij k_j early_j     rq_i = late_i sum_{j<i} dQ_ij k_j early_j + dQ_ii k_i
+        ck_j = early_j sum_{i>j} (dM_ij k_i + dQ_ij q_i) late_i + dQ_jj q_j
+        da_t += sum_{s >= t} (R_s - C_s),   R_i = sum_{j<i} P_ij = k_i rk_i + q_i (rq_i - dQ_ii k_i),
+                                            C_j = sum_{i>j} P_ij = k_j (ck_j - dQ_jj q_j)
+
+    since ``[j < t <= i] = [t <= i] - [t <= j]`` for ``j < i``. That difference is what the element-wise
+    path avoids (its every term carries the decay across t): here a token's da keeps an absolute error of
+    fp32's epsilon times the block's O(1) terms, which ``dA_log = sum a da`` multiplies by at most the span."""
+    sub = tl.arange(0, BC)
+    strict = sub[:, None] > sub[None, :]
+    diag = tl.sum(tl.where(sub[:, None] == sub[None, :], dQ_ii, 0.0), axis=1)  # dQ_ii
+    dQ_strict = tl.where(strict, dQ_ii, 0.0)
+    early = tl.exp(tl.where(m_i, anchor[None, :] - g_i, 0.0))
+    k_early = k_i * early
+    rk = tl.dot(dM_ii, k_early, input_precision=DOT_PRECISION) * late
+    rq = tl.dot(dQ_strict, k_early, input_precision=DOT_PRECISION) * late
+    cols = (tl.dot(tl.trans(dM_ii), k_i * late, input_precision=DOT_PRECISION)
+            + tl.dot(tl.trans(dQ_strict), q_i * late, input_precision=DOT_PRECISION)) * early
+    tl.store(dk_i, tl.load(dk_i, mask=m_i, other=0.0) + rk + cols + diag[:, None] * q_i, mask=m_i)
+    tl.store(dq_i, tl.load(dq_i, mask=m_i, other=0.0) + rq + diag[:, None] * k_i, mask=m_i)
+    pairs = k_i * rk + q_i * rq - k_i * cols  # R - C
+    tl.store(da_i, tl.load(da_i, mask=m_i, other=0.0) + tl.cumsum(pairs, axis=0, reverse=True), mask=m_i)
+    tl.debug_barrier()
 
 
 def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None):
@@ -343,15 +400,15 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
     dh = torch.empty(max(NT, 1), HV, K, V, dtype=f32, device=device)
     dh0 = torch.empty(spec.state_shape, dtype=f32, device=device) if inputs.initial_state is not None else None
     dht = None if dfinal_state is None else dfinal_state.contiguous().to(f32)
-    BV = min(config.state_block_v, BV_all)
+    BV = min(config.backward_state_block_v, BV_all)
     L2 = spec.use_qk_l2norm_in_kernel
     bwd_state_kernel[(N, HV, triton.cdiv(V, BV))](
         q, k, saved["G"], saved["w"], saved["A_qk"], do, dd, dh,
         dht if dht is not None else dd, dh0 if dh0 is not None else dd,
         layout.bounds, layout.chunk_offsets, spec.scale,
         H=H, HV=HV, K=K, V=V, L2=L2, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision,
-        num_warps=config.state_warps, num_stages=1,
+        V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision.backward_state,
+        num_warps=config.backward_state_warps, num_stages=1,
     )
     dq_h = torch.zeros(tokens, HV, K, dtype=f32, device=device)
     dk_h, da = torch.zeros_like(dq_h), torch.zeros_like(dq_h)
@@ -362,7 +419,7 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
             q, k, v, beta, saved["G"], saved["h"], dh, saved["v_new"], dd, do, saved["T"], saved["A_qk"],
             saved["M"], dq_h, dk_h, da, dv, dbeta_h, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=min(32, BV_all), BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision,
+            BT=C, BK=BK, BV=min(config.backward_block_v, BV_all), BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision.backward_chunk,
             num_warps=config.backward_warps, num_stages=config.backward_stages,
         )
     group = HV // H

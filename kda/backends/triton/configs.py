@@ -31,6 +31,13 @@ class LaunchConfig:
     # registers limit (`benchmarks/triton_stages.py --sweep` times 64 and 32).
     intra_block_k: int = 0
     gate_warps: int = 4
+    # w and u from half-width products at inference (T and the rows rounded to bf16/fp16 first, as FLA's
+    # recompute_w_u): measured offline on 60 random bf16 cases, error at median 0.69 of the tolerance
+    # against 0.63 with TF32 products, p90 0.80 against 0.71. Off unless the H200 shows it pays.
+    intra_half_products: bool = False
+    backward_block_v: int = 32  # V columns per step of the backward's per-chunk kernel
+    backward_state_block_v: int = 64  # BV of the backward's serial pass over chunks
+    backward_state_warps: int = 4
 
 
 # sm90, K <= 128: measured on an H200 (`benchmarks/triton_stages.py --sweep`, forward at B1_T8192_H96_D128,
@@ -57,18 +64,24 @@ class LaunchConfig:
 # 1.82 against 2.20 (kept); intra_block_k 32: 3.63, 64: 3.25, 32 with intra_block_w 16 (168 registers, no
 # spill): 3.75; intra 8 warps 4.14; the state and output variants as before. K > 128 (call3-v7/sweep.txt,
 # B8_T2048_H32_D256): intra 2 warps 2.64 against 2.80 at 4 (kept), 8 warps 4.22.
+# Session 6 (session6/call2-v10/sweep.txt; the state pass and the output now multiply bf16 operands at
+# inference): state 0.430 (BV 64, 4 warps, 2 stages, kept; BV 128 at 8 warps 0.477, at 4 warps 0.606; 3
+# stages 0.623; BV 32 0.661); output BV 128 at 4 warps 0.460 (taken) against 0.569 for BV 64 at 2 warps
+# (BV 128 at 2 warps 0.519, 8 warps 0.591); intra with half-width w/u products 1.765 against 1.834 (not
+# taken: see `intra_half_products`). Training (B4_T2048_H16_D128, call3-v11/train-sweep.txt): the
+# backward at 4 warps 8.81 ms against 8.67 at 8; its state pass at 8 warps 0.94 against 1.06 (BV 32: 1.48).
 # Shared memory, from compiling for sm90 on a CPU (`python -m kda.backends.triton.aot`) against 227 KB per
 # block on Hopper: every kernel fits at K = 128 and 256 with these settings there (Triton 3.9). On the
 # H200 (Triton 3.6) the backward's per-chunk kernel asked 248 KB at K = 256 and did not launch: the
 # backend refuses training above 128 on CUDA.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
-    9: {"small": LaunchConfig(64, 4, 2, 64, 2, 2, measured=True, intra_block_w=32, intra_stages=1,
+    9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64),
         "large": LaunchConfig(64, 4, 2, 64, 4, 1, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64)},
 }
 # Other architectures: sm90's choices, unmeasured there.
-_DEFAULT = {"small": LaunchConfig(64, 4, 2, 64, 2, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
+_DEFAULT = {"small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
             "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
 
 

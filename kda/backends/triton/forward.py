@@ -23,7 +23,7 @@ from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kerne
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
 from kda.backends.triton.state import state_pass_kernel
-from kda.backends.triton.storage import dot_precision, storage_dtype
+from kda.backends.triton.storage import dot_precisions, storage_dtype
 from kda.errors import KDAInputError
 from kda.spec import GateMode, KDASpec, cu_seqlens_violation
 
@@ -67,7 +67,7 @@ def plan_forward(
     BK, BV_all = _block(K), _block(V)
     major = None if device.type != "cuda" else torch.cuda.get_device_capability(device)[0]
     config = launch_config(major, K, V)
-    precision = dot_precision(spec)
+    precision = dot_precisions(spec)
 
     q, k, v, g, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
     A_log = None if inputs.A_log is None else inputs.A_log.contiguous()
@@ -111,7 +111,8 @@ def plan_forward(
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
             BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all),
             BKS=BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
-            DOT_PRECISION=precision, SAVE=save, ROUND=ROUND,
+            DOT_PRECISION=precision.intra, SAVE=save, ROUND=ROUND,
+            STORED_OPERANDS=store != f32 and config.intra_half_products,
             num_warps=config.intra_warps, num_stages=config.intra_stages,
         )
 
@@ -120,14 +121,16 @@ def plan_forward(
             k_g, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
             layout.bounds, layout.chunk_offsets,
             HV=HV, K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-            V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision, ROUND=ROUND,
+            V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision.state, ROUND=ROUND,
+            STORED_OPERANDS=store != f32,
             num_warps=config.state_warps, num_stages=config.state_stages,
         )
 
     def output_stage() -> None:
         output_kernel[(NT, HV, triton.cdiv(V, BVo))](
             q, G, h, u, A_qk, o, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
-            H=H, HV=HV, K=K, V=V, L2=L2, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision, ROUND=ROUND,
+            H=H, HV=HV, K=K, V=V, L2=L2, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision.output, ROUND=ROUND,
+            STORED_OPERANDS=store != f32,
             num_warps=config.output_warps,
         )
 

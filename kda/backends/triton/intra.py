@@ -36,6 +36,10 @@ The inverse works on 16-row blocks too: each diagonal block ``D_I = (I + A_II)^-
 with matrix products. ``T`` is written over ``A_kk`` in place (row block by row block, increasing ``J``:
 every ``A_Im`` still needed is still there) and then read back whole for ``w`` and ``u``.
 
+With bf16/fp16 storage (inference) the ``w`` and ``u`` products run on half-width tensor cores: ``T`` and
+the scaled rows are rounded to the storage dtype first, as FLA's ``recompute_w_u`` does (the results are
+rounded to it anyway when stored).
+
 Grid ``(NT, HV)``. A_kk (then T) blocks go through an ``[NT, HV, C, C]`` fp32 buffer (T and M are kept
 for the backward). A_qk (kept for stage 4), ``w``, ``u`` and ``k_g`` are stored in the dtype `storage`
 chooses: the inputs' dtype at inference, fp32 when training.
@@ -46,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda.backends.triton.storage import stored
+from kda.backends.triton.storage import operand, stored
 
 SUB_CHUNK = 16  # rows per sub-chunk (the kernels' BC): the smallest tile tl.dot takes
 DOT_SPAN = tl.constexpr(80.0)  # largest decay span a diagonal block takes by product: e^80 = 5.5e34 < fp32 max
@@ -99,6 +103,7 @@ def intra_chunk_kernel(
     BKS: tl.constexpr,  # K columns per step of the score products (BK: all at once)
     DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
     ROUND: tl.constexpr,  # round bf16 stores by hand (the interpreter truncates; see `storage`)
+    STORED_OPERANDS: tl.constexpr,  # w and u from half-width products (bf16/fp16 storage; see below)
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -137,6 +142,8 @@ def intra_chunk_kernel(
         tl.debug_barrier()  # row block I of T is read by the later ones
     r = tl.arange(0, BT)
     t_inv = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])  # blocks above the diagonal hold zeros
+    if STORED_OPERANDS:  # w and u are stored in bf16/fp16: their products take T and the rows in that dtype
+        t_inv = operand(stored(t_inv, w, ROUND), ROUND)
 
     # ---- w = T (beta k exp(G)),  u = T (beta v),  k_g = k exp(G_C - G), BW columns at a time ----------
     # Column blocks keep each product's operands small: the kernel is latency-bound (a program's steps wait
@@ -167,6 +174,8 @@ def intra_chunk_kernel(
         g_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + wcols[None, :]
         g_blk = tl.load(G + g_off, mask=m_w, other=0.0)
         w_in = k_blk * tl.exp(g_blk) * b_all[:, None]  # exp(G) <= 1
+        if STORED_OPERANDS:
+            w_in = operand(stored(w_in, w, ROUND), ROUND)
         tl.store(w + g_off, stored(tl.dot(t_inv, w_in, input_precision=DOT_PRECISION), w, ROUND), mask=m_w)
         g_last = tl.load(g_last_row + wcols, mask=wcols < K, other=0.0)
         k_late = k_blk * tl.exp(tl.where(m_w, g_last[None, :] - g_blk, 0.0))  # exp(G_C - G) <= 1
@@ -176,6 +185,8 @@ def intra_chunk_kernel(
         m_v = valid[:, None] & (vcols[None, :] < V)
         v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
         v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
+        if STORED_OPERANDS:
+            v_in = operand(stored(v_in, u, ROUND), ROUND)
         tl.store(u + v_off, stored(tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), u, ROUND), mask=m_v)
 
 @triton.jit

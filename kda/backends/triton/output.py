@@ -5,6 +5,9 @@ Per chunk of value head ``hv``, with ``h`` the state entering the chunk and ``v_
 
     o = scale * ((q * exp(G)) @ h + A_qk @ v_new)            [C, BV]      (exp(G) <= 1)
 
+With intermediates stored in bf16/fp16 (inference), both products run on the half-width tensor cores with
+fp32 accumulation, as the stored operands are (``q exp(G)`` is rounded once to their dtype).
+
 Grid ``(NT, HV, V / BV)``.
 """
 
@@ -14,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.intra import _inv_norm
-from kda.backends.triton.storage import stored
+from kda.backends.triton.storage import operand, stored
 
 
 @triton.jit
@@ -30,6 +33,7 @@ def output_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    STORED_OPERANDS: tl.constexpr,  # products take h, v_new, A_qk as stored (bf16/fp16; see `storage`)
 ):
     i_c, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -48,9 +52,14 @@ def output_kernel(
     g_c = tl.load(G + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :], mask=m_k, other=0.0)
     q_c = q_c * _inv_norm(q_c, L2)[:, None] * tl.exp(g_c)
     h_c = tl.load(h + (i_c.to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :],
-                  mask=(kcols[:, None] < K) & (vcols[None, :] < V), other=0.0).to(tl.float32)
+                  mask=(kcols[:, None] < K) & (vcols[None, :] < V), other=0.0)
     v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
-    d_c = tl.load(v_new + v_off, mask=m_v, other=0.0).to(tl.float32)
-    a_qk = tl.load(A_qk + (i_c.to(tl.int64) * HV + i_hv) * BT * BT + r[:, None] * BT + r[None, :]).to(tl.float32)
+    d_c = tl.load(v_new + v_off, mask=m_v, other=0.0)
+    a_qk = tl.load(A_qk + (i_c.to(tl.int64) * HV + i_hv) * BT * BT + r[:, None] * BT + r[None, :])
+    if STORED_OPERANDS:  # half-width tensor cores; only q e^G is rounded here, the rest was rounded when stored
+        q_c = operand(stored(q_c, h, ROUND), ROUND)
+        h_c, d_c, a_qk = operand(h_c, ROUND), operand(d_c, ROUND), operand(a_qk, ROUND)
+    else:
+        h_c, d_c, a_qk = h_c.to(tl.float32), d_c.to(tl.float32), a_qk.to(tl.float32)
     out = tl.dot(q_c, h_c, input_precision=DOT_PRECISION) + tl.dot(a_qk, d_c, input_precision=DOT_PRECISION)
     tl.store(o + v_off, stored(out * scale, o, ROUND), mask=m_v)

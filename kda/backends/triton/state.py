@@ -9,7 +9,10 @@ from stage 2 and ``G_C`` the last row of stage 1's ``G`` (the only row of ``G`` 
     S        = exp(G_C)[:, None] * S + k_g^T @ v_new                           (every exponent <= 0)
 
 ``w``, ``k_g``, ``u`` arrive and ``h``, ``v_new`` leave in the storage dtype (`storage`); ``S`` and
-``v_new`` stay fp32 in registers, so the recurrence itself never reads back a rounded value.
+``v_new`` stay fp32 in registers, so the recurrence itself never reads back a rounded value. With bf16/fp16
+storage (inference) the two products run on half-width tensor cores (fp32 accumulation): their operands
+are ``w`` and ``k_g`` as stored and ``S`` and ``v_new`` rounded to the storage dtype, which is what ``h`` and
+``v_new`` are stored as anyway. Only the products' copies are rounded; the carried ``S`` is not.
 
 ``S`` starts from the initial state (either layout) or zero and ends as the final state. The output
 needs ``h`` and ``v_new`` and no order between chunks, so it is computed in stage 4 (`output`), in
@@ -21,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda.backends.triton.storage import stored
+from kda.backends.triton.storage import operand, stored
 
 
 @triton.jit
@@ -49,6 +52,7 @@ def state_pass_kernel(
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, V_FIRST: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    STORED_OPERANDS: tl.constexpr,  # products in the storage dtype (bf16/fp16; see the module docstring)
 ):
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(bounds + i_n)
@@ -76,14 +80,22 @@ def state_pass_kernel(
         h_off = ((first_chunk + c).to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :]
         tl.store(h + h_off, stored(S, h, ROUND), mask=state_mask)
 
-        w_c = tl.load(w + k_off, mask=m_k, other=0.0).to(tl.float32)
-        v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) - tl.dot(w_c, S, input_precision=DOT_PRECISION)
-        tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
-
+        w_c = tl.load(w + k_off, mask=m_k, other=0.0)
         last = tl.minimum(start + BT, eos) - 1
         g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
-        k_c = tl.load(k_g + k_off, mask=m_k, other=0.0).to(tl.float32)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_c), v_new, input_precision=DOT_PRECISION)
+        k_c = tl.load(k_g + k_off, mask=m_k, other=0.0)
+        if STORED_OPERANDS:
+            v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) \
+                - tl.dot(operand(w_c, ROUND), operand(stored(S, w, ROUND), ROUND), input_precision=DOT_PRECISION)
+            tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
+            product = tl.dot(tl.trans(operand(k_c, ROUND)), operand(stored(v_new, u, ROUND), ROUND),
+                             input_precision=DOT_PRECISION)
+        else:
+            v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) \
+                - tl.dot(w_c.to(tl.float32), S, input_precision=DOT_PRECISION)
+            tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
+            product = tl.dot(tl.trans(k_c.to(tl.float32)), v_new, input_precision=DOT_PRECISION)
+        S = S * tl.exp(g_last)[:, None] + product
 
     if STORE_HT:
         tl.store(ht + state_off, S, mask=state_mask)

@@ -52,7 +52,8 @@
 #           shape in both gate modes (GPU 0), the varlen forward bench at the H96 shapes (GPU 1)
 #   s7a     (nvidia-h200-x2) for session 7, branch experiment/backward-diagonal-by-step, version 13 (the
 #           backward's diagonal blocks by products wherever the log decays allow, the elementwise tails
-#           fused): the grid (GPU 1); the bench classes, the training sweep, the training bench (GPU 0)
+#           fused): the grid (GPU 1); the bench classes, the training sweep, the training bench, the intra
+#           kernel's phases (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -468,11 +469,12 @@ s7a)
     SWEEP_INDEX=$index timeout "$(left 300)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
       2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
   done
-  bench 20 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+  bench 80 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  SWEEP_ONLY="intra_phases" stages 15 --sweep B1_T8192_H96_D128  # where the intra kernel's time goes
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-grid.txt" "$W/verify-bench.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
-  cat "$W/train-sweep.txt"; cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
+  cat "$W/train-sweep.txt" "$W/sweep.txt"; cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
   cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 next6)

@@ -110,17 +110,6 @@ SWEEP = [
 ]
 
 
-class _WithPhases:
-    """`intra_chunk_kernel` launched with its PHASES timing hook set."""
-
-    def __init__(self, kernel, phases: int) -> None:
-        self.kernel, self.phases = kernel, phases
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, PHASES=self.phases, **kwargs)
-
-
 def sweep(names: list[str]) -> None:
     """Time the stages under each variant of the shipped launch configuration (an explicit tuning run:
     nothing is tuned at call time; a winner is written into `configs` by hand, marked measured)."""
@@ -133,7 +122,7 @@ def sweep(names: list[str]) -> None:
             triton_forward_module.launch_config = lambda *_, config=config: config
             intra_kernel = triton_forward_module.intra_chunk_kernel
             if "intra_phases" in change:
-                triton_forward_module.intra_chunk_kernel = _WithPhases(intra_kernel, change["intra_phases"])
+                triton_forward_module.intra_chunk_kernel = _WithConstant(intra_kernel, "PHASES", change["intra_phases"])
             try:
                 stages, _ = plan_forward(call, spec)
                 times = {stage: do_bench(launch, warmup=25, rep=100, return_mode="median") for stage, launch in stages}
@@ -165,15 +154,15 @@ TRAIN_SWEEP = [
 ]
 
 
-class _WithPairs:
-    """`bwd_chunk_kernel` launched with its PAIRS timing hook set."""
+class _WithConstant:
+    """A kernel launched with one of its timing hooks (a constexpr) set."""
 
-    def __init__(self, kernel, pairs: int) -> None:
-        self.kernel, self.pairs = kernel, pairs
+    def __init__(self, kernel, name: str, value: int) -> None:
+        self.kernel, self.name, self.value = kernel, name, value
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, PAIRS=self.pairs, **kwargs)
+        return lambda *args, **kwargs: launch(*args, **{self.name: self.value}, **kwargs)
 
 
 def train_sweep(names: list[str]) -> None:
@@ -202,7 +191,7 @@ def train_sweep(names: list[str]) -> None:
                     setattr(storage, "TRAINING_" + key.split(".", 1)[1].upper(), value)
             chunk_kernel = backward.bwd_chunk_kernel
             if "pairs" in change:
-                backward.bwd_chunk_kernel = _WithPairs(chunk_kernel, change["pairs"])
+                backward.bwd_chunk_kernel = _WithConstant(chunk_kernel, "PAIRS", change["pairs"])
 
             def step() -> None:
                 stages, finish = plan_forward(call, spec)

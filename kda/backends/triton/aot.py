@@ -72,7 +72,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
                          "BKC": min(BK, 32), "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
                          "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
                          "DOT_PRECISION": "tf32", "SAVE": False, "ROUND": False,
-                         "STORED_OPERANDS": config.intra_half_products},
+                         "STORED_OPERANDS": config.intra_half_products, "PHASES": 3},
                         config.intra_warps, config.intra_stages),
         "state": shared(state_pass_kernel,
                         {"k_g": bf16, "w": bf16, "u": bf16, "G": f32, "h": bf16, "h0": f32, "ht": f32,

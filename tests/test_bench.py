@@ -171,6 +171,19 @@ def test_cli_end_to_end_on_the_cpu(seed, tmp_path, capsys):
     assert cli.main(["--shape", "B1_T20", "--out", str(out)]) == 2
 
 
+def test_tune_names_the_backends_it_leaves_untimed(seed, tmp_path, capsys):
+    """`auto` ranks by speed only the backends timed together; a --tune run that leaves an available backend
+    out says so (on the H200, timing `baseline:fla` without the kda `fla` backend left auto on triton at
+    0.67x FLA)."""
+    kda.register_backend(Quick)
+    args = ["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--backend", "torch", "--backend", "auto", "--tune",
+            "--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1", "--rounds", "1"]
+    assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert "not timed in this run, though `auto` can choose them here: quick." in capsys.readouterr().err
+    assert cli.main([*args, "--backend", "quick", "--out", str(tmp_path / "b")]) == 0
+    assert "not timed" not in capsys.readouterr().err
+
+
 def test_merge_joins_runs_of_one_gpu_and_refuses_others(tmp_path):
     def part(name: str, versions: dict[str, Any]) -> Path:
         data = {"kda": "x", "date": "d", "gpu": {"name": "G"}, "versions": versions, "settings": {},

@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:  # stream rows to the parent
         run(config, on_row=lambda row: print("ROW " + json.dumps(row.as_json()), flush=True))
         return 0
+    if args.tune:
+        untimed = [name for name in registry.available_backends() if name not in backends]
+        if untimed:  # `auto` ranks by speed only what was timed together (kda.timings.rank)
+            err.print(f"[yellow]--tune: not timed in this run, though `auto` can choose them here: {', '.join(untimed)}. "
+                      "Without a timing a backend keeps its priority place (add it with --backend to rank it by "
+                      "speed; `baseline:fla` times FLA directly, not the kda `fla` backend).[/yellow]", soft_wrap=True)
 
     signal.signal(signal.SIGTERM, _interrupt)
     total = len(shapes) * len(modes)

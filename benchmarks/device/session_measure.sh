@@ -80,12 +80,19 @@ DENSE="B1_T8192_H96_D128 B2_T16384_H16_D128 B4_T2048_H16_D128 B4_T4096_H64_D128 
   python3 -m pip list 2>/dev/null | grep -i -E "fla-core|flashkda|pydantic|rich|helion"; } > "$W/env.txt" 2>&1
 
 finish() {
+  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null  # auto's timing table as the phase left it
   (cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list; tar czf "$OUT/state.tgz" kda-cache -T /tmp/autotune.list)
   tar czf "$OUT/$PHASE.tgz" -C "$W" .
   ls -la "$OUT"
 }
 
 # Steps the phases from session 5 on share. RESERVE: seconds to leave before the deadline.
+wrap_up() {  # [VERIFICATION LOGS]: wait for the background work; exit codes, the logs' tails, any failure
+  wait
+  cat "$W"/*.rc
+  [ $# -eq 0 ] || tail -n 4 "$@"
+  grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+}
 verify_triton() {  # RESERVE JOBS NAME [more kda.verify arguments]: logs, JSON and rc under $W/NAME*
   local reserve=$1 jobs=$2 name=$3; shift 3
   timeout "$(left "$reserve")" python3 -m kda.verify --backend triton --jobs "$jobs" "$@" \
@@ -133,7 +140,6 @@ bench)
   timeout "$(left 30)" python3 -m kda.bench --tune $MEASURED ${BENCH_MODES:-} ${BENCH_SHAPES:-} \
     --cold-start "${COLD:-first}" --out "$W/bench" > "$W/bench.txt" 2> "$W/bench.err"
   echo "bench rc=$?"; grep -E "auto:" "$W/bench.err" | head -40
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 triton)
   export KDA_TRITON_EXPERIMENTAL=1  # the backend's first run on a GPU
@@ -191,7 +197,6 @@ pair)
   echo "bench train rc=$?"; grep -E "ok|fail|error" "$W/bench-train.err" | head -30
   wait
   cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt" "$W/verify-cuda.txt"
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 last)
   # One GPU, nothing in parallel (compiles beside each other starved the 'pair' run): the triton stages and
@@ -208,7 +213,6 @@ last)
   timeout "$(left 10)" python3 -m kda.bench --backend baseline:fla --backend triton --mode train_safe \
     --shape B4_T2048_H16_D128 --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
   echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -10
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 next)
   # For the next session (nvidia-h200-x2), call 1 of 2. GPU 1 verifies triton over the whole grid,
@@ -243,7 +247,6 @@ next)
   cat "$W/sweep.txt"
   wait
   cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt" "$W/verify-cuda.txt"
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 next-train)
   # Call 2 of 2 (copy call 1's state.tgz to .device/state.tgz first): the training bench, FLA reading the
@@ -253,7 +256,6 @@ next-train)
   timeout "$(left 20)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend fla --backend auto \
     --mode train_safe --mode train_pregated $SHAPES --out "$W/bench-train" > "$W/bench-train.txt" 2> "$W/bench-train.err"
   echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head -30
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s4)
   # Session 4, call 1 (nvidia-h200-x2): the forward with intermediates stored in the inputs' dtype.
@@ -288,7 +290,6 @@ s4)
   cat "$W/sweep.txt"
   wait
   cat "$W"/verify-*.rc; tail -n 4 "$W/verify-triton.txt"; grep -h " ok \| error" "$W"/warm-*.txt | head
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s4b)
   # Session 4, call 2 (nvidia-h200-x2), after the product inverse and the sweep's settings. GPU 1: quick
@@ -315,7 +316,6 @@ s4b)
   echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -50
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s5)
   # Session 5, call 1 (nvidia-h200-x2), run from the experiment branch. GPU 1: the triton forward over the
@@ -329,7 +329,6 @@ s5)
   bench 25 bench-fwd-pregated --backend baseline:fla --backend triton --mode fwd_pregated $(shape_args $DENSE)
   wait
   cat "$W"/*.rc; tail -n 8 "$W/verify-triton.txt"; grep -i -E "fail|error" "$W/verify-triton.txt" | head -20
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s5b)
   # Session 5, call 2 (nvidia-h200-x2), version 6. GPU 1: the whole grid, training included (12 processes).
@@ -344,9 +343,7 @@ s5b)
   bench 110 bench-fwd-pregated --backend baseline:fla --backend triton --mode fwd_pregated $(shape_args $DENSE)
   bench 25 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
     --shape B4_T2048_H16_D128
-  wait
-  cat "$W"/*.rc; tail -n 6 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  wrap_up "$W/verify-triton.txt"
   ;;
 s5c)
   # Session 5, call 3 (nvidia-h200-x2), version 7: the intra kernel at 2 warps (K <= 128, from call 2's
@@ -358,9 +355,7 @@ s5c)
   stages 420 B1_T8192_H96_D128 B8_T2048_H32_D256; cat "$W/stages.txt"
   SWEEP_ONLY=intra_warps stages 330 --sweep B8_T2048_H32_D256; cat "$W/sweep.txt"
   bench 25 bench-fwd --backend baseline:fla --backend triton --backend auto --mode fwd $(shape_args $DENSE)
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  wrap_up "$W/verify-triton.txt"
   ;;
 s5d)
   # Session 5, call 4 (nvidia-h200-x2), version 8. GPU 1: the grid, training included. GPU 0: the forward
@@ -370,9 +365,7 @@ s5d)
   export CUDA_VISIBLE_DEVICES=0
   sleep 200  # auto trusts only verified backends: let GPU 1 verify the bench classes first
   bench 15 bench-fwd --tune --backend baseline:fla --backend triton --backend auto --mode fwd $(shape_args $DENSE)
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W/verify-triton.txt" | head -20
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  wrap_up "$W/verify-triton.txt"
   ;;
 s5e)
   # Session 5, call 5 (one GPU, about 4 minutes of device time left), version 9: training's products in
@@ -396,8 +389,7 @@ s6a)
   KDA_VERIFY=off timeout "$(left 90)" python3 benchmarks/profile_kernels.py --backend baseline:fla --backend triton \
     --mode train_safe B4_T2048_H16_D128 > "$W/profile-train.txt" 2>&1
   stages 30 B1_T8192_H96_D128
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  wrap_up "$W/verify-train.txt"
   grep -E " ms|us " "$W"/profile-*.txt | head -120; cat "$W/stages.txt"
   ;;
 s6b)
@@ -410,8 +402,7 @@ s6b)
   stages 300 B1_T8192_H96_D128
   SWEEP_ONLY="state|output|half" stages 200 --sweep B1_T8192_H96_D128
   timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 > "$W/train-sweep.txt" 2>&1
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  wrap_up "$W/verify-triton.txt"
   cat "$W/stages.txt" "$W/sweep.txt" "$W/train-sweep.txt"
   ;;
 s6c)
@@ -423,8 +414,7 @@ s6c)
     SWEEP_INDEX=$index timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
       2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
   done
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  wrap_up "$W/verify-train.txt"
   cat "$W/train-sweep.txt"
   ;;
 s6d)
@@ -442,10 +432,8 @@ s6d)
   SWEEP_INDEX=0 timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
     2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
   stages 15 B1_T8192_H96_D128 B8_T2048_H32_D256
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-grid.txt" "$W/verify-bench.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/train-sweep.txt" "$W/stages.txt"
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s6e)
   export KDA_TRITON_EXPERIMENTAL=1
@@ -457,7 +445,6 @@ s6e)
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   wait
   cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s7a)
   export KDA_TRITON_EXPERIMENTAL=1
@@ -492,9 +479,7 @@ next6)
     $(shape_args B4_T2048_H16_D128 B1_T8192_H96_D128)
   bench 25 bench-fwd-varlen --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
     $(shape_args $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"))
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-train.txt" "$W/verify-triton.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
+  wrap_up "$W/verify-train.txt" "$W/verify-triton.txt"
   ;;
 s4c)
   # Session 4, call 3 (one GPU): the K = 256 settings (stages, sweep at B8_T2048_H32_D256), then the
@@ -507,7 +492,6 @@ s4c)
   timeout "$(left 15)" python3 -m kda.bench --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
     --out "$W/bench-fwd" > "$W/bench-fwd.txt" 2> "$W/bench-fwd.err"
   echo "bench fwd rc=$?"; grep -E " ok | fail|rror" "$W/bench-fwd.err" | head -50
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 s4d)
   # Session 4, call 4 (one GPU, the last minutes): the final kernels (backend version 3) verified on the
@@ -550,7 +534,6 @@ next5)
   echo "bench train rc=$?"; grep -E " ok | fail|rror" "$W/bench-train.err" | head
   wait
   cat "$W"/*.rc; tail -n 4 "$W/verify-triton.txt"
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -459,10 +459,8 @@ s7a)
   bench 80 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   SWEEP_ONLY="intra_phases" stages 15 --sweep B1_T8192_H96_D128  # where the intra kernel's time goes
-  wait
-  cat "$W"/*.rc; tail -n 4 "$W/verify-grid.txt" "$W/verify-bench.txt"; grep -E "FAIL|fail " "$W"/verify-*.txt | head -20
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/train-sweep.txt" "$W/sweep.txt"; cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
-  cp -r /tmp/kda-cache/timings "$W/timings" 2>/dev/null
   ;;
 next6)
   # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's

@@ -222,10 +222,13 @@ def random_cases(draw) -> VerificationCase:
         seq_lens = seq_lens + (1,)
     group = draw(st.sampled_from([2, 3])) if gva else 1
     K, V = draw(st.integers(4, 40)), draw(st.integers(4, 40))
-    # Every regime, fp32 softplus training included: since G is scanned 16 rows at a time (version 6), 240
-    # such extreme cases drawn like these all passed, dA_log at median 1.2e-5, p95 1.1e-4, worst 5.9e-4 of
-    # the 1e-3 tolerance (they were excluded while test_dA_log_at_the_fp32_decay_limit was a strict xfail).
-    regime = draw(st.sampled_from(["realistic", "extreme"]))
+    # Every regime, except extreme gates for fp32 softplus training: there dA_log meets the fp32 decay limit
+    # (test_dA_log_past_the_fp32_decay_limit, a strict xfail). Session 5 drew 240 such cases offline and all
+    # passed (worst 5.9e-4 of the 1e-3 tolerance), so they were drawn again; session 6's CI run then drew one
+    # at 3.2e-3, and 150 more drawn offline failed 3 times (1.3e-3, 2.5e-3, 8.1e-3; median 1.6e-5): about one
+    # CI run in 50 would fail on it. Realistic fp32 softplus training and extreme gates elsewhere stay in.
+    extreme_allowed = not (training and cc.dtype == "float32" and cc.gate == GateMode.SOFTPLUS)
+    regime = draw(st.sampled_from(["realistic", "extreme"] if extreme_allowed else ["realistic"]))
     B = 1 if varlen else draw(st.integers(1, 2))
     if not varlen:
         seq_lens = seq_lens * B
@@ -268,6 +271,20 @@ def test_dA_log_at_the_fp32_decay_limit(interpreter):
     cc = case_class(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="sigmoid", dtype="float32", chunk_size=64,
                     training=True)
     case = VerificationCase(cc, "extreme", 1, 1, 1, 5, 31, (123,), "float32", seed=1308272535)
+    result = run_case(interpreter, case, "cpu")
+    assert result.passed, (result.reason, result.errors)
+
+
+@pytest.mark.xfail(strict=True, reason="the fp32 decay limit: dA_log 3.4e-3 against the 1e-3 tolerance")
+def test_dA_log_past_the_fp32_decay_limit(interpreter):
+    """Drawn by session 6's CI run (hypothesis, fresh seed): extreme softplus gates, fp32 training, one value
+    head, so dA_log is one number summed over two sequences of saturated decays. 3.4e-3 off in version 12
+    and in version 9 alike, whichever path the backward's diagonal blocks take, while every other gradient
+    is within 2.4e-5: the limit of an fp32 `G` that test_dA_log_at_the_fp32_decay_limit stays just inside.
+    150 such cases drawn offline failed 3 times (up to 8.1e-3). Strict: a fix (a `G` that keeps its low
+    bits) makes it pass, and the random cases should then draw this regime again."""
+    case = VerificationCase(CaseClass.from_key("softplus/qk/sig2/fp32/varlen/mha/nostate:vk/c64/d64/train"), "extreme",
+                            1, 1, 1, 4, 37, (130, 130), "float32", seed=49465691)
     result = run_case(interpreter, case, "cpu")
     assert result.passed, (result.reason, result.errors)
 

@@ -104,6 +104,9 @@ SWEEP = [
     {"output_warps": 4},
     {"output_warps": 8},
     {"intra_half_products": True},
+    # The intra kernel's PHASES timing hook: where its time goes (scores; scores and inverse; all).
+    {"intra_phases": 1},
+    {"intra_phases": 2},
 ]
 
 
@@ -115,8 +118,11 @@ def sweep(names: list[str]) -> None:
         shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
         only = os.environ.get("SWEEP_ONLY")  # e.g. "intra_warps|output": the variants whose text contains one
         for change in [c for c in SWEEP if not only or not c or any(part in str(c) for part in only.split("|"))]:
-            config = dataclasses.replace(shipped, **change)
+            config = dataclasses.replace(shipped, **{key: value for key, value in change.items() if key != "intra_phases"})
             triton_forward_module.launch_config = lambda *_, config=config: config
+            intra_kernel = triton_forward_module.intra_chunk_kernel
+            if "intra_phases" in change:
+                triton_forward_module.intra_chunk_kernel = _WithConstant(intra_kernel, "PHASES", change["intra_phases"])
             try:
                 stages, _ = plan_forward(call, spec)
                 times = {stage: do_bench(launch, warmup=25, rep=100, return_mode="median") for stage, launch in stages}
@@ -124,6 +130,7 @@ def sweep(names: list[str]) -> None:
                 print(f"{name} {change or 'shipped'} total={sum(times.values()):.3f} ms  {shown}")
             except Exception as error:  # e.g. out of shared memory: report and go on
                 print(f"{name} {change}: {type(error).__name__}: {str(error)[:200]}")
+            triton_forward_module.intra_chunk_kernel = intra_kernel
         triton_forward_module.launch_config = launch_config
         torch.cuda.empty_cache()
 
@@ -147,15 +154,15 @@ TRAIN_SWEEP = [
 ]
 
 
-class _WithPairs:
-    """`bwd_chunk_kernel` launched with its PAIRS timing hook set."""
+class _WithConstant:
+    """A kernel launched with one of its timing hooks (a constexpr) set."""
 
-    def __init__(self, kernel, pairs: int) -> None:
-        self.kernel, self.pairs = kernel, pairs
+    def __init__(self, kernel, name: str, value: int) -> None:
+        self.kernel, self.name, self.value = kernel, name, value
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, PAIRS=self.pairs, **kwargs)
+        return lambda *args, **kwargs: launch(*args, **{self.name: self.value}, **kwargs)
 
 
 def train_sweep(names: list[str]) -> None:
@@ -184,7 +191,7 @@ def train_sweep(names: list[str]) -> None:
                     setattr(storage, "TRAINING_" + key.split(".", 1)[1].upper(), value)
             chunk_kernel = backward.bwd_chunk_kernel
             if "pairs" in change:
-                backward.bwd_chunk_kernel = _WithPairs(chunk_kernel, change["pairs"])
+                backward.bwd_chunk_kernel = _WithConstant(chunk_kernel, "PAIRS", change["pairs"])
 
             def step() -> None:
                 stages, finish = plan_forward(call, spec)

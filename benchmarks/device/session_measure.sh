@@ -50,6 +50,10 @@
 #           forward bench, then the training sweep and the stages (GPU 0)
 #   s6e     (nvidia-h200-x2) session 6, call 5, version 12 as verified in call 4: the training bench at one
 #           shape in both gate modes (GPU 0), the varlen forward bench at the H96 shapes (GPU 1)
+#   s7a     (nvidia-h200-x2) for session 7, branch experiment/backward-diagonal-by-step, version 13 (the
+#           backward's diagonal blocks by products wherever the log decays allow, the elementwise tails
+#           fused): the grid (GPU 1); the bench classes, the training sweep, the training bench, the intra
+#           kernel's phases (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -441,6 +445,22 @@ s6e)
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   wait
   cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  ;;
+s7a)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 20 12 verify-grid ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 400 10 verify-bench $(bench_case_args)
+  for index in 0 1 2; do
+    SWEEP_INDEX=$index timeout "$(left 300)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
+      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  done
+  bench 80 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  SWEEP_ONLY="intra_phases" stages 15 --sweep B1_T8192_H96_D128  # where the intra kernel's time goes
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt" "$W/sweep.txt"; cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
   ;;
 next6)
   # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's

@@ -44,6 +44,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
     from kda.backends.triton.output import output_kernel
     from kda.backends.triton.state import state_pass_kernel
     from kda.backends.triton.storage import TRAINING_BACKWARD_CHUNK, TRAINING_BACKWARD_STATE
+    from kda.backends.triton.tails import ROWS, gate_beta_tail_kernel, qk_tail_kernel
 
     target = GPUTarget("cuda", capability * 10, 32)
     config = launch_config(capability, K, V)
@@ -71,7 +72,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
                          "BKC": min(BK, 32), "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
                          "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
                          "DOT_PRECISION": "tf32", "SAVE": False, "ROUND": False,
-                         "STORED_OPERANDS": config.intra_half_products},
+                         "STORED_OPERANDS": config.intra_half_products, "PHASES": 3},
                         config.intra_warps, config.intra_stages),
         "state": shared(state_pass_kernel,
                         {"k_g": bf16, "w": bf16, "u": bf16, "G": f32, "h": bf16, "h0": f32, "ht": f32,
@@ -105,6 +106,14 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
             {**heads, "L2": True, "HAS_DHT": True, "STORE_DH0": True, "V_FIRST": False, "BT": C, "BK": BK,
              "BV": min(config.backward_state_block_v, BV_all), "DOT_PRECISION": TRAINING_BACKWARD_STATE},
             config.backward_state_warps, 1)
+        needs["qk_tail"] = shared(qk_tail_kernel, {"x": bf16, "dx_heads": f32, "dx": bf16, "tokens": "i32"},
+                                  {"H": 4, "HV": 8, "K": K, "L2": True, "BR": ROWS, "BK": BK}, 4)
+        needs["gate_beta_tail"] = shared(
+            gate_beta_tail_kernel,
+            {"g": bf16, "da": f32, "A_log": f32, "dt_bias": f32, "dg": bf16, "dA_log_parts": f32, "ddt_parts": f32,
+             "beta": bf16, "dbeta_heads": f32, "dbeta": bf16, "tokens": "i32", "lower_bound": "fp32"},
+            {"HV": 8, "K": K, "GATE": SAFE, "HAS_A_LOG": True, "HAS_DT_BIAS": True, "SIGMOID": True, "TWO": False,
+             "BR": ROWS, "BK": BK}, 4)
     return needs
 
 

@@ -1,15 +1,15 @@
 """The backward pass (see `backward_math` for the formulas, checked against autograd in float64).
 
-Two launches and a tail:
+Two launches and the tails:
 
 1. `bwd_state_kernel`, serial per (sequence, value head, V block), walking chunks in reverse:
        dh[c] = dS;  dd = scale A_qk^T do + k~ dS;  dS <- e^(G_C) dS + scale q~^T do - w^T dd
    (``k~ = k e^(G_C - G)``, ``q~ = q e^G``); the last ``dS`` is ``dh0``.
 2. `bwd_chunk_kernel`, per (chunk, value head): every per-token gradient of the chunk (q, k, v, beta and
    the per-token log decay a), the pairwise E-weighted terms through 16-row blocks (see `da` below).
-3. The tail, in torch: the value heads of a GVA group summed into their q/k head, and the elementwise
-   transforms (l2norm, beta activation, gate) differentiated by autograd of their definitions in
-   `kda.reference`.
+3. The tails (`tails`, two launches): the value heads of a GVA group summed into their q/k head, and the
+   elementwise transforms (l2norm, beta activation, gate) differentiated, with the sums over tokens of
+   ``dA_log`` and ``ddt_bias`` as per-block partials added in torch.
 
 The log decay's gradient. ``G`` is the in-chunk cumsum of ``a``, so ``da_t = sum_{s >= t} dG_s``; the
 kernel forms each ``da_t`` directly as a sum of terms that all carry the decay across token t::
@@ -32,13 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.backends.triton.intra import SUB_CHUNK, _beta, _inv_norm, _rows
+from kda.backends.triton.intra import DOT_SPAN, SUB_CHUNK, _beta, _inv_norm, _rows
 
-# Largest decay span of a 16-row diagonal block (max |G_i - G_a| over its rows) that the backward takes by
-# products (`_diagonal_by_products`): their da is a difference of O(1) sums, whose fp32 residual dA_log
-# multiplies by the log decays, at most the span. 16 bounds that; realistic gates stay far below it, and
-# blocks above it (extreme or saturated gates) take the exact element-wise path.
-DIFFERENCE_SPAN = tl.constexpr(16.0)
+# A 16-row diagonal block goes by products (`_diagonal_by_products`) when its decay span (max |G_i - G_a|
+# over its rows and K) is at most the forward's DOT_SPAN (80: e^80 stays finite in fp32), and its largest
+# single log decay (max |G_t - G_(t-1)| over its rows after the first) is at most DIFFERENCE_STEP: their
+# da is a difference of O(1) sums, whose fp32 residual dA_log multiplies by the log decays, so it is the
+# decays that must stay small, not the span. The safe gate's are below 5 whatever the span; larger ones
+# (saturated softplus or pre-gated gates) take the exact element-wise path.
+DIFFERENCE_STEP = tl.constexpr(8.0)
 from kda.backends.triton.state import state_tile
 
 
@@ -153,11 +155,7 @@ def bwd_chunk_kernel(
     dQ = tl.zeros([BT, BT], dtype=tl.float32)
     s0_ds = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
-        vcols = i_v * BV + tl.arange(0, BV)
-        m_v = valid[:, None] & (vcols[None, :] < V)
-        v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
-        st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
-        st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+        v_off, m_v, st, st_mask = _v_block(i_v, rows, valid, kcols, chunk, i_hv, HV, K, V, BV)
         S0 = tl.load(h + st, mask=st_mask, other=0.0)
         dS = tl.load(dh + st, mask=st_mask, other=0.0)
         d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
@@ -170,11 +168,7 @@ def bwd_chunk_kernel(
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     db_c = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
-        vcols = i_v * BV + tl.arange(0, BV)
-        m_v = valid[:, None] & (vcols[None, :] < V)
-        v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
-        st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
-        st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+        v_off, m_v, st, st_mask = _v_block(i_v, rows, valid, kcols, chunk, i_hv, HV, K, V, BV)
         S0 = tl.load(h + st, mask=st_mask, other=0.0)
         dd_b = tl.load(dd + v_off, mask=m_v, other=0.0)
         v_b = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
@@ -228,6 +222,17 @@ def bwd_chunk_kernel(
         if start + I * BC < end and PAIRS > 0:
             _pairwise_row_block(q, k, G, M, A_qk, dq, dk, da, chunk * BT * BT, start, end, i_h, i_hv, I,
                                 H, HV, K, L2, BT, BK, BKC, BC, DOT_PRECISION, PAIRS > 1)
+
+
+@triton.jit
+def _v_block(i_v, rows, valid, kcols, chunk, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BV: tl.constexpr):
+    """Block ``i_v`` of BV value columns: offsets and mask of the chunk's ``[C, BV]`` rows in a ``[tokens, HV,
+    V]`` tensor, and of its ``[K, BV]`` tile in a ``[NT, HV, K, V]`` state tensor."""
+    vcols = i_v * BV + tl.arange(0, BV)
+    v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
+    st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
+    return v_off, valid[:, None] & (vcols[None, :] < V), st, (kcols[:, None] < K) & (vcols[None, :] < V)
 
 
 @triton.jit
@@ -314,14 +319,17 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
     tl.debug_barrier()
 
     # The diagonal block: by products against the block's anchor where its decay span allows (see
-    # `DIFFERENCE_SPAN`), else element by element over K slices (exponents masked before exp).
+    # `DIFFERENCE_STEP`), else element by element over K slices (exponents masked before exp).
     if not DIAGONAL:  # timing only (see PAIRS)
         return
     blk = a_base + (I * BC + sub)[:, None] * BT + (I * BC + sub)[None, :]
     dM_ii = tl.load(dM + blk)
     dQ_ii = tl.load(dQ + blk)
     span = tl.max(tl.max(tl.abs(g_i - anchor[None, :]), axis=1), axis=0)  # rows past the end hold G_a
-    if span <= DIFFERENCE_SPAN:
+    after_first = m_i & (sub >= 1)[:, None]
+    g_before = tl.load(_rows(G, rows_i - 1, i_hv, cols, HV, K), mask=after_first, other=0.0)
+    step = tl.max(tl.max(tl.where(after_first, tl.abs(g_i - g_before), 0.0), axis=1), axis=0)
+    if span <= DOT_SPAN and step <= DIFFERENCE_STEP:
         _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC,
                               DOT_PRECISION)
     else:
@@ -365,7 +373,8 @@ def _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i,
 
     since ``[j < t <= i] = [t <= i] - [t <= j]`` for ``j < i``. That difference is what the element-wise
     path avoids (its every term carries the decay across t): here a token's da keeps an absolute error of
-    fp32's epsilon times the block's O(1) terms, which ``dA_log = sum a da`` multiplies by at most the span."""
+    fp32's epsilon times the block's O(1) terms, which ``dA_log = sum a da`` multiplies by the log decays
+    (at most `DIFFERENCE_STEP` each)."""
     sub = tl.arange(0, BC)
     strict = sub[:, None] > sub[None, :]
     diag = tl.sum(tl.where(sub[:, None] == sub[None, :], dQ_ii, 0.0), axis=1)  # dQ_ii
@@ -385,7 +394,7 @@ def _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i,
 
 def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None):
     from kda.backends.base import KDAGradients
-    from kda.reference import beta_transform, l2norm, log_decay
+    from kda.backends.triton.tails import fused_tails
 
     device = spec.device
     B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
@@ -422,34 +431,7 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
             BT=C, BK=BK, BV=min(config.backward_block_v, BV_all), BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision.backward_chunk,
             num_warps=config.backward_warps, num_stages=config.backward_stages,
         )
-    group = HV // H
-    dq_hat = dq_h.view(B, T, H, group, K).sum(3)
-    dk_hat = dk_h.view(B, T, H, group, K).sum(3)
-
-    # The elementwise tails: autograd of the transforms' own definitions (kda.reference).
-    with torch.enable_grad():
-        qq = inputs.q.detach().to(f32).requires_grad_(True)
-        kk = inputs.k.detach().to(f32).requires_grad_(True)
-        dq_in, dk_in = torch.autograd.grad(
-            [l2norm(qq) if L2 else qq, l2norm(kk) if L2 else kk], [qq, kk], [dq_hat, dk_hat])
-        bb = inputs.beta.detach().to(f32).requires_grad_(True)
-        (dbeta_in,) = torch.autograd.grad(
-            beta_transform(bb, sigmoid=spec.use_beta_sigmoid_in_kernel, allow_neg_eigval=spec.allow_neg_eigval),
-            [bb], [dbeta_h.view(B, T, HV)])
-        gg = inputs.g.detach().to(f32).requires_grad_(True)
-        leaves = [gg]
-        A_log = dt_bias = None
-        if inputs.A_log is not None:
-            A_log = inputs.A_log.detach().to(f32).requires_grad_(True)
-            leaves.append(A_log)
-        if inputs.dt_bias is not None:
-            dt_bias = inputs.dt_bias.detach().to(f32).requires_grad_(True)
-            leaves.append(dt_bias)
-        a = log_decay(gg, use_gate_in_kernel=spec.use_gate_in_kernel, safe_gate_on=spec.safe_gate, A_log=A_log,
-                      dt_bias=dt_bias, lower_bound=spec.lower_bound)
-        found = torch.autograd.grad(a, leaves, da.view(B, T, HV, K), allow_unused=True)
-    grads = dict(zip(["g", *(["A_log"] if A_log is not None else []), *(["dt_bias"] if dt_bias is not None else [])],
-                     found))
+    dq, dk, dg, dbeta, dA_log, ddt_bias = fused_tails(inputs, spec, dq_h, dk_h, da, dbeta_h)
 
     def like(grad, ref):
         if ref is None:
@@ -457,8 +439,7 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
         return torch.zeros_like(ref) if grad is None else grad.to(ref.dtype)
 
     return KDAGradients(
-        dq=like(dq_in, inputs.q), dk=like(dk_in, inputs.k), dv=like(dv.view(B, T, HV, V), inputs.v),
-        dg=like(grads.get("g"), inputs.g), dbeta=like(dbeta_in, inputs.beta),
-        dA_log=like(grads.get("A_log"), inputs.A_log), ddt_bias=like(grads.get("dt_bias"), inputs.dt_bias),
-        dinitial_state=like(dh0, inputs.initial_state),
+        dq=dq, dk=dk, dv=like(dv.view(B, T, HV, V), inputs.v), dg=dg.view_as(inputs.g),
+        dbeta=dbeta.view_as(inputs.beta), dA_log=like(dA_log, inputs.A_log),
+        ddt_bias=like(ddt_bias, inputs.dt_bias), dinitial_state=like(dh0, inputs.initial_state),
     )

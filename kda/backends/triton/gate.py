@@ -53,6 +53,12 @@ def gate_cumsum_kernel(
     cols = i_k * BK + tl.arange(0, BK)
     sub = tl.arange(0, BC)
     carry = tl.zeros([BK], dtype=tl.float32)  # G at the row before the sub-chunk
+    bias = tl.zeros([BK], dtype=tl.float32)
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv))
     for I in tl.static_range(BT // BC):
         rows = start + I * BC + sub
         mask = (rows[:, None] < end) & (cols[None, :] < K)
@@ -60,11 +66,7 @@ def gate_cumsum_kernel(
         x = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
         if GATE != _PREGATED:
             if HAS_DT_BIAS:
-                x += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]
-            if HAS_A_LOG:
-                a = tl.exp(tl.load(A_log + i_hv))
-            else:
-                a = 1.0
+                x += bias[None, :]
             if GATE == _SOFTPLUS:
                 # softplus(x) = log(1 + e^x), computed without overflow for large x
                 x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))

@@ -104,6 +104,9 @@ def intra_chunk_kernel(
     DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
     ROUND: tl.constexpr,  # round bf16 stores by hand (the interpreter truncates; see `storage`)
     STORED_OPERANDS: tl.constexpr,  # w and u from half-width products (bf16/fp16 storage; see below)
+    # For timing only (`benchmarks/triton_stages.py --sweep`), wrong results otherwise: 1 stops after the
+    # scores, 2 after the inverse.
+    PHASES: tl.constexpr = 3,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -128,6 +131,9 @@ def intra_chunk_kernel(
                 _store_zero_scores(a_base + out_rows + (J * BC + sub)[None, :], A_kk, A_qk, M_out, BC, SAVE)
     tl.debug_barrier()
 
+    if PHASES < 2:  # timing only
+        return
+
     # ---- T = (I + A_kk)^-1, 16-row blocks, written over A_kk ---------------------------------------
     for I in range(BT // BC):
         d_inv = _unit_lower_inverse(tl.load(A_kk + a_base + _block_offsets(I, I, BT, BC)), BC)
@@ -140,6 +146,8 @@ def intra_chunk_kernel(
                      -tl.dot(d_inv, acc, input_precision=DOT_PRECISION))
         tl.store(A_kk + a_base + _block_offsets(I, I, BT, BC), d_inv)
         tl.debug_barrier()  # row block I of T is read by the later ones
+    if PHASES < 3:  # timing only
+        return
     r = tl.arange(0, BT)
     t_inv = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])  # blocks above the diagonal hold zeros
     if STORED_OPERANDS:  # w and u are stored in bf16/fp16: their products take T and the rows in that dtype

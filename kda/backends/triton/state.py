@@ -39,6 +39,19 @@ def state_tile(i_n, i_hv, kcols, vcols, HV: tl.constexpr, K: tl.constexpr, V: tl
 
 
 @triton.jit
+def _factor(x, STORED_OPERANDS: tl.constexpr, ROUND: tl.constexpr, like=None):
+    """``x`` as a product's operand: in the storage dtype with ``STORED_OPERANDS`` (an fp32 ``x`` rounded to
+    ``like``'s element type first; a loaded one is in it already), else in fp32."""
+    if STORED_OPERANDS:
+        if like is not None:
+            x = stored(x, like, ROUND)
+        x = operand(x, ROUND)
+    else:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def state_pass_kernel(
     k_g,  # [tokens, HV, K] (stage 2): k exp(G_C - G)
     w,  # [tokens, HV, K] (stage 2)
@@ -84,17 +97,11 @@ def state_pass_kernel(
         last = tl.minimum(start + BT, eos) - 1
         g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
         k_c = tl.load(k_g + k_off, mask=m_k, other=0.0)
-        if STORED_OPERANDS:
-            v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) \
-                - tl.dot(operand(w_c, ROUND), operand(stored(S, w, ROUND), ROUND), input_precision=DOT_PRECISION)
-            tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
-            product = tl.dot(tl.trans(operand(k_c, ROUND)), operand(stored(v_new, u, ROUND), ROUND),
-                             input_precision=DOT_PRECISION)
-        else:
-            v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) \
-                - tl.dot(w_c.to(tl.float32), S, input_precision=DOT_PRECISION)
-            tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
-            product = tl.dot(tl.trans(k_c.to(tl.float32)), v_new, input_precision=DOT_PRECISION)
+        v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) - tl.dot(
+            _factor(w_c, STORED_OPERANDS, ROUND), _factor(S, STORED_OPERANDS, ROUND, w), input_precision=DOT_PRECISION)
+        tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
+        product = tl.dot(tl.trans(_factor(k_c, STORED_OPERANDS, ROUND)), _factor(v_new, STORED_OPERANDS, ROUND, u),
+                         input_precision=DOT_PRECISION)
         S = S * tl.exp(g_last)[:, None] + product
 
     if STORE_HT:

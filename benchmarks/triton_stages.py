@@ -138,16 +138,20 @@ def sweep(names: list[str]) -> None:
 # Variants for `--train-sweep`: launch settings of the backward, which kernels multiply in TF32x3 (keys
 # "precision.<kernel>" set `storage.TRAINING_<KERNEL>`), and "pairs" (the backward's PAIRS timing hook:
 # 0 leaves out its pairwise terms, 1 their diagonal blocks). {"backward_block_v": 16} is left out: on the
-# H200 (Triton 3.6) it ended in an illegal memory access that took every later variant of the process.
+# H200 (Triton 3.6, version 11) it ended in an illegal memory access that took every later variant of the
+# process. Phases run them one a process, by index (SWEEP_INDEX): the list is ordered as session 7 ran it.
 TRAIN_SWEEP = [
     {},
     {"pairs": 0},
     {"pairs": 1},
     {"backward_warps": 4},
-    {"backward_block_v": 64, "backward_stages": 1},
+    {"backward_block_k": 64},
+    {"backward_block_k": 64, "backward_warps": 4},
+    {"backward_block_v": 64},
+    {"backward_stages": 1},
+    {"precision.backward_chunk": "tf32"},
     {"backward_state_warps": 8},
     {"backward_state_block_v": 32},
-    {"precision.backward_chunk": "tf32"},
     {"precision.backward_state": "tf32"},
     {"precision.state": "tf32"},
     {"precision.intra": "tf32"},

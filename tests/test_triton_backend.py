@@ -171,10 +171,9 @@ def test_availability_follows_the_interpreter_switch(monkeypatch, interpreter):
     wide = kda.KDASpec.from_call(torch.randn(1, 4, 1, 256), torch.randn(1, 4, 1, 256), torch.randn(1, 4, 1, 8),
                                  -torch.rand(1, 4, 1, 256), torch.rand(1, 4, 1))
     wide = wide.model_copy(update={"q": wide.q.model_copy(update={"device": "cuda:0"}), "requires_grad": True})
-    # K = 256: the backward asked 248 KB of shared memory on the H200 (sm90: 227 KB) and did not launch
-    refused = backend.supports(wide)
-    assert not refused and "248 KB of shared memory" in str(refused)
-    assert backend.supports(wide.model_copy(update={"requires_grad": False}))  # the forward runs at K = 256
+    # K = 256: offered since version 14 (its backward takes K in blocks; before, it needed 248 KB of shared
+    # memory on the H200 and was refused)
+    assert backend.supports(wide) and backend.supports(wide.model_copy(update={"requires_grad": False}))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert "compute capability >= 8.0" in str(backend.supports(on_gpu))
 
@@ -349,6 +348,49 @@ def test_diagonal_blocks_at_the_products_limits(step_limit, interpreter, monkeyp
         assert error < 1e-4, (name, error)
 
 
+@pytest.mark.parametrize("late_channels", ["span", "step"])
+def test_backward_in_several_k_blocks(late_channels, interpreter, monkeypatch):
+    """The backward's per-chunk kernel takes K in blocks of `backward_block_k` columns (two blocks of 8
+    here), and a diagonal block's path is chosen from every column: here only the upper K block has large
+    decays. "span": log decays of 6.5 a step (under DIFFERENCE_STEP), spans near 97 (past DOT_SPAN, e^97
+    overflows fp32): taken by products on the lower block's evidence alone, every gradient would be NaN.
+    "step": log decays of 9 (past DIFFERENCE_STEP) in a few rows. V in blocks of 8 too; GVA and varlen
+    (a ragged boundary inside a chunk). fp32, every gradient against the float64 reference."""
+    import dataclasses
+
+    from kda.backends.triton import forward
+
+    shipped = forward.launch_config
+    monkeypatch.setattr(forward, "launch_config", lambda *args: dataclasses.replace(
+        shipped(*args), backward_block_k=8, backward_block_v=8))
+    T, H, HV, K, V, C = 2 * 64 + 21, 1, 2, 16, 16, 64
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = -0.5 * torch.rand(1, T, HV, K, generator=gen)  # pre-gated log decays
+    if late_channels == "span":
+        g[..., 8:] = -6.5 + 0.01 * torch.randn(1, T, HV, 8, generator=gen)
+    else:
+        g[:, 5::16, :, 8:] = -9.0
+    cu_seqlens = torch.tensor([0, 64 + 29, T], dtype=torch.long)
+    call = {"q": q, "k": k, "v": v, "beta": torch.rand(1, T, HV, generator=gen), "cu_seqlens": cu_seqlens,
+            "use_qk_l2norm_in_kernel": True, "initial_state": torch.randn(2, HV, K, V, generator=gen),
+            "output_final_state": True}
+    do, dht = torch.randn(1, T, HV, V, generator=gen), torch.randn(2, HV, K, V, generator=gen)
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    ours = {n: (g if n == "g" else call[n]).clone().requires_grad_(True) for n in names}
+    o, ht = kda.chunk_kda(**{**call, **ours}, chunk_size=C, backend="triton")
+    grads = torch.autograd.grad([o, ht], list(ours.values()), [do, dht])
+    ref = {n: t.detach().double().requires_grad_(True) for n, t in ours.items()}
+    rest = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in call.items() if n not in ref}
+    o64, ht64 = kda.kda_reference(**rest, **ref)
+    expected = torch.autograd.grad([o64, ht64], list(ref.values()), [do.double(), dht.double()])
+    for name, got, want in zip(ours, grads, expected):
+        error = ((got.double() - want).norm() / want.norm()).item()
+        assert error < 1e-4, (name, error)
+
+
 @triton.jit
 def _dot_kernel(a, b, out, PRECISION: tl.constexpr):
     r = tl.arange(0, 16)
@@ -380,17 +422,37 @@ def test_interpreter_products_are_the_gpus(seed, interpreter, precision):  # noq
 
 def test_bf16_training_dA_log_survives_the_gpus_products(interpreter, monkeypatch):  # noqa: F811
     """A case the H200 failed in version 8 (bf16 training, dA_log 1.28e-2 > 1e-2 with every product in TF32;
-    the interpreter with truncated TF32 gives 1.27e-2). The forward's state pass and the backward's
-    per-chunk kernel now multiply in TF32x3 (`storage`): dA_log 1.4e-3. Forced back to TF32 everywhere,
-    the same case fails on dA_log alone."""
+    the interpreter with truncated TF32 gives 1.27e-2). Every kernel but the output now multiplies in
+    TF32x3 when training (`storage`): dA_log 4.7e-5. Forced back to TF32 everywhere, the same case fails on
+    dA_log alone."""
     from kda.backends.triton import storage
 
     case = VerificationCase(CaseClass.from_key("safe/l2/sig/bf16/dense/mha/h0+ht/c32/d128/train"), "realistic",
                             2, 2, 2, 128, 128, (77, 77), "bfloat16", seed=1548069176)
     result = run_case(interpreter, case, "cpu")
     assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 3e-3, result.errors
+    assert result.errors["dA_log"] < 3e-4, result.errors
     for kernel in ("INTRA", "STATE", "BACKWARD_STATE", "BACKWARD_CHUNK"):
+        monkeypatch.setattr(storage, f"TRAINING_{kernel}", "tf32")
+    kda.registry._reset_for_tests()
+    result = run_case(kda.get_backend("triton"), case, "cpu")
+    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+
+
+def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):  # noqa: F811
+    """Drawn by the random cases in session 7 (fp16 training, softplus gate, realistic regime): with intra and
+    the backward state pass in TF32 (versions 12 to 15) dA_log came out 1.85e-2 off (tolerance 1e-2), every
+    other gradient within 9e-4; 2 of 61 random bf16/fp16 training cases drawn alike failed the same way.
+    With every kernel but the output in TF32x3 (version 16) it is 4e-5 off."""
+    from kda.backends.triton import storage
+
+    cc = case_class(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="given", dtype="float16", initial_state=False,
+                    final_state=True, state_v_first=True, chunk_size=32, training=True)
+    case = VerificationCase(cc, "realistic", 1, 1, 1, 4, 4, (14,), "float32", seed=1)
+    result = run_case(interpreter, case, "cpu")
+    assert result.passed, (result.reason, result.errors)
+    assert result.errors["dA_log"] < 1e-3, result.errors
+    for kernel in ("INTRA", "BACKWARD_STATE"):
         monkeypatch.setattr(storage, f"TRAINING_{kernel}", "tf32")
     kda.registry._reset_for_tests()
     result = run_case(kda.get_backend("triton"), case, "cpu")

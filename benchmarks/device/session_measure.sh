@@ -54,6 +54,15 @@
 #           backward's diagonal blocks by products wherever the log decays allow, the elementwise tails
 #           fused): the grid (GPU 1); the bench classes, the training sweep, the training bench, the intra
 #           kernel's phases (GPU 0)
+#   s7b     (nvidia-h200-x2) session 7, call 2, version 14 (the backward's per-chunk kernel by blocks of K,
+#           training offered at K = 256): the grid (GPU 1); the bench classes, the training sweep one
+#           variant a process, the training bench at K = 128 and then at K = 256 (GPU 0)
+#   s7c     (nvidia-h200-x2) session 7, call 3, version 15 (version 14 at 4 warps): the grid (GPU 1); the
+#           bench classes, two training sweep variants, the training bench at K = 128 and 256 (GPU 0)
+#   s7d     (nvidia-h200-x2) session 7, call 4, version 15: training at K = 256, triton's kernels (GPU 1) and
+#           the training bench, FLA compiling its backward there first (GPU 0)
+#   s7e     (one GPU, session 7's last 4 minutes) version 16 (training in TF32x3 in every kernel but the
+#           output): the bench's training classes verified, then the training bench at K = 128
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -461,6 +470,59 @@ s7a)
   SWEEP_ONLY="intra_phases" stages 15 --sweep B1_T8192_H96_D128  # where the intra kernel's time goes
   wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/train-sweep.txt" "$W/sweep.txt"; cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
+  ;;
+s7b)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 20 12 verify-grid ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 420 10 verify-bench $(bench_case_args)
+  for index in 0 1 2 3 4 5 6 8; do  # benchmarks/triton_stages.py TRAIN_SWEEP
+    SWEEP_INDEX=$index timeout "$(left 200)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
+      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  done
+  bench 110 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  bench 25 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B8_T2048_H32_D256)
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt"; cat "$W"/bench-train*/results.md 2>/dev/null | grep "^|"
+  ;;
+s7c)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 15 12 verify-grid ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 380 10 verify-bench $(bench_case_args)
+  for index in 0 1 2; do  # benchmarks/triton_stages.py TRAIN_SWEEP
+    SWEEP_INDEX=$index timeout "$(left 250)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
+      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  done
+  bench 150 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  bench 20 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B8_T2048_H32_D256)
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt"; cat "$W"/bench-train*/results.md 2>/dev/null | grep "^|"
+  ;;
+s7d)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    SWEEP_INDEX=0 timeout "$(left 20)" python3 benchmarks/triton_stages.py --train-sweep B8_T2048_H32_D256 \
+      2>&1 | grep -v -i warn >> "$W/train-sweep.txt" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  bench 15 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto \
+    --mode train_safe $(shape_args B8_T2048_H32_D256)
+  wait
+  cat "$W/train-sweep.txt"; cat "$W"/bench-train*/results.md 2>/dev/null | grep "^|"
+  ;;
+s7e)
+  export KDA_TRITON_EXPERIMENTAL=1
+  verify_triton 70 8 verify-train $(bench_case_args | tr ' ' '\n' | grep "/train" | grep -v d256 | sed 's/^/--case /')
+  cat "$W/verify-train.rc"; tail -n 3 "$W/verify-train.txt"
+  bench 5 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
+    $(shape_args B4_T2048_H16_D128) --rounds 2
+  cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
   ;;
 next6)
   # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's

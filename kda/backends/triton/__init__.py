@@ -15,17 +15,18 @@ configurations are shipped per architecture (`configs`); nothing is tuned at cal
 With ``TRITON_INTERPRET=1`` the backend accepts CPU tensors and runs in Triton's interpreter: slow, but
 it is how CI checks the kernels and how a user without a GPU can step through them.
 
-The backward (`backward`: a reverse serial pass, a per-chunk gradient kernel, and the elementwise
-tails through autograd of `kda.reference`'s transforms) gives every gradient and matches the float64
-reference in the interpreter.
+The backward (`backward`: a reverse serial pass, a per-chunk gradient kernel taking K in blocks, and the
+elementwise tails fused in two launches, `tails`) gives every gradient and matches the float64 reference
+in the interpreter.
 
 On CUDA (run on an H200 since 2026-11-29): the forward is offered to everyone, and verified before
-use like every backend. Training is opt-in (``KDA_TRITON_EXPERIMENTAL=1``) and refused above K, V = 128
-(there the backward asked 248 KB of shared memory on the H200, over sm90's 227 KB). For bf16/fp16 its
-products are TF32x3 in the two kernels where a GPU's truncated TF32 operands cost ``dA_log`` most, TF32
-elsewhere (`storage.dot_precisions`); version 12 passed every training class up to 128 on the H200 and
-runs at 0.36x FLA (B4_T2048_H16_D128). Verification catches wrong numbers, not a kernel that faults and takes the
-caller's CUDA context down with it.
+use like every backend. Training is opt-in (``KDA_TRITON_EXPERIMENTAL=1``). For bf16/fp16 its products
+are TF32x3 in the two kernels where a GPU's truncated TF32 operands cost ``dA_log`` most, TF32 elsewhere
+(`storage.dot_precisions`). Version 13 passed every training class up to K = 128 on the H200 and ran at
+0.57x FLA (B4_T2048_H16_D128); version 14's per-chunk kernel takes K in blocks, which also brings its
+shared memory at K = 256 from over sm90's 227 KB (it did not launch) to about 48 KB, so training at
+K = 256 is offered on CUDA too. Verification catches wrong numbers, not a kernel that faults and takes
+the caller's CUDA context down with it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class TritonBackend(Backend):
     """kda's own Triton kernels (on CUDA: the forward; training opt-in)."""
 
     name = "triton"
-    version = "13"  # bump whenever a kernel changes: verification records are kept per version
+    version = "16"  # bump whenever a kernel changes: verification records are kept per version
     priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True
@@ -78,12 +79,7 @@ class TritonBackend(Backend):
         if spec.device.type == "cuda":
             if torch.cuda.get_device_capability(spec.device) < MIN_CAPABILITY:
                 broken.append("needs compute capability >= 8.0")
-            if spec.requires_grad and max(spec.K, spec.V) > 128:
-                # Measured on the H200 (Triton 3.6): the backward asks 248 KB of shared memory at K = 256,
-                # over sm90's 227 KB, and fails to launch. The interpreter runs it; CUDA does not yet.
-                broken.append("training with K or V above 128 on CUDA: the backward needs 248 KB of shared memory "
-                              "at K = 256 (sm90 has 227 KB)")
-            elif spec.requires_grad and os.environ.get(OPT_IN, "0") != "1":
+            if spec.requires_grad and os.environ.get(OPT_IN, "0") != "1":
                 # Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA
                 # context down with it; the backward has run on a GPU for a few classes only.
                 broken.append(f"training on CUDA is opt-in for now ({OPT_IN}=1): the backward has passed "

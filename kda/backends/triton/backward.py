@@ -6,7 +6,9 @@ Two launches and the tails:
        dh[c] = dS;  dd = scale A_qk^T do + k~ dS;  dS <- e^(G_C) dS + scale q~^T do - w^T dd
    (``k~ = k e^(G_C - G)``, ``q~ = q e^G``); the last ``dS`` is ``dh0``.
 2. `bwd_chunk_kernel`, per (chunk, value head): every per-token gradient of the chunk (q, k, v, beta and
-   the per-token log decay a), the pairwise E-weighted terms through 16-row blocks (see `da` below).
+   the per-token log decay a), the pairwise E-weighted terms through 16-row blocks (see `da` below), K
+   taken in blocks of BKB columns: every term is per column of K but for two sums over it (``dT`` and
+   ``dbeta``), so no ``[C, K]`` tile is ever held whole.
 3. The tails (`tails`, two launches): the value heads of a GVA group summed into their q/k head, and the
    elementwise transforms (l2norm, beta activation, gate) differentiated, with the sums over tokens of
    ``dA_log`` and ``ddt_bias`` as per-block partials added in torch.
@@ -113,12 +115,15 @@ def bwd_chunk_kernel(
     h, dh,  # [NT, HV, K, V] fp32: state entering each chunk, gradient of the state leaving it
     v_new, dd, do,  # [tokens, HV, V]
     T_inv, A_qk, M,  # [NT, HV, BT, BT] fp32 (M and A_qk are overwritten by dM and dQ)
+    norms,  # [NT, HV, 2, BT] fp32 scratch: 1 / |q| and 1 / |k| per row, for the pairwise blocks
     dq, dk, da, dv, dbeta,  # out, fp32: [tokens, HV, K] x3 (da: of the log decay a), [tokens, HV, V], [tokens, HV]
     chunk_starts, chunk_seq_ends,
     scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BKB: tl.constexpr,  # K columns per block (every [C, K] quantity is taken BKB columns at a time)
+    BKC: tl.constexpr, BC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     # For timing only (`benchmarks/triton_stages.py --train-sweep`), wrong gradients otherwise: 0 leaves
     # out the pairwise terms, 1 their diagonal blocks.
@@ -131,10 +136,6 @@ def bwd_chunk_kernel(
     r = tl.arange(0, BT)
     rows = start + r
     valid = rows < end
-    kcols = tl.arange(0, BK)
-    m_k = valid[:, None] & (kcols[None, :] < K)
-    k_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :]
-    qk_off = rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :]
     chunk = i_c.to(tl.int64) * HV + i_hv
     sq = chunk * BT * BT + r[:, None] * BT + r[None, :]
     causal = r[:, None] >= r[None, :]
@@ -144,95 +145,121 @@ def bwd_chunk_kernel(
     b_c = tl.where(valid, b_c, 0.0)
     t_inv = tl.load(T_inv + sq)
 
-    # Everything that sums over V, in blocks of BV columns (a [K, V] state never sits whole in a program),
-    # in two passes so that fewer [C, K] accumulators are live at once (registers decide this kernel's
-    # speed: spilled, it took 9.4 ms at B4_T2048_H16_D128 where FLA's backward takes 1.2):
-    #   1. dq~ = scale do S0^T, dk~ = d dS^T, dQ = scale do d^T, sum_v S0 dS;
-    #   2. dW = -dd S0^T, dd (beta v)^T, and per block: dY = T^T dd, dv = beta dY, dbeta += sum_v v dY.
-    # The [C, K] rows of q, k and G are loaded after the passes, for the same reason.
-    dqt = tl.zeros([BT, BK], dtype=tl.float32)
-    dkt = tl.zeros([BT, BK], dtype=tl.float32)
+    # Registers decide this kernel's speed (version 13 held every [C, K] quantity whole: 255 registers and
+    # 3.6 KB of spill a thread at K = 128, one program an SM). So it runs in three parts, none holding more
+    # than a few [C, BKB] and [C, C] tiles:
+    #   1. what needs no K: dQ = scale do d^T, dT = dd (beta v)^T, dY = T^T dd, dv = beta dY, dbeta's v part;
+    #   2. per block of BKB columns of K, a pass over V (dq~ = scale do S0^T, dk~ = d dS^T, dW = -dd S0^T,
+    #      sum_v S0 dS) and then every per-token gradient of those columns, with dT += dW X^T;
+    #   3. dA from dT, then the pairwise E-weighted terms (16-row blocks, BKB columns at a time).
     dQ = tl.zeros([BT, BT], dtype=tl.float32)
-    s0_ds = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        v_off, m_v, st, st_mask = _v_block(i_v, rows, valid, kcols, chunk, i_hv, HV, K, V, BV)
-        S0 = tl.load(h + st, mask=st_mask, other=0.0)
-        dS = tl.load(dh + st, mask=st_mask, other=0.0)
-        d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
-        do_b = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
-        dqt += tl.dot(do_b, tl.trans(S0), input_precision=DOT_PRECISION)
-        dQ += tl.dot(do_b, tl.trans(d_b), input_precision=DOT_PRECISION)
-        dkt += tl.dot(d_b, tl.trans(dS), input_precision=DOT_PRECISION)
-        s0_ds += tl.sum(S0 * dS, axis=1)
-    dW = tl.zeros([BT, BK], dtype=tl.float32)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     db_c = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
-        v_off, m_v, st, st_mask = _v_block(i_v, rows, valid, kcols, chunk, i_hv, HV, K, V, BV)
-        S0 = tl.load(h + st, mask=st_mask, other=0.0)
+        v_off, m_v = _v_rows(i_v, rows, valid, i_hv, HV, V, BV)
+        d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
+        do_b = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
         dd_b = tl.load(dd + v_off, mask=m_v, other=0.0)
         v_b = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32)
-        dW -= tl.dot(dd_b, tl.trans(S0), input_precision=DOT_PRECISION)
+        dQ += tl.dot(do_b, tl.trans(d_b), input_precision=DOT_PRECISION)
         dT += tl.dot(dd_b, tl.trans(b_c[:, None] * v_b), input_precision=DOT_PRECISION)
         dY = tl.dot(tl.trans(t_inv), dd_b, input_precision=DOT_PRECISION)
         tl.store(dv + v_off, b_c[:, None] * dY, mask=m_v)
         db_c += tl.sum(v_b * dY, axis=1)
-    dqt = scale * dqt
-    dQ = tl.where(causal, scale * dQ, 0.0)
+    # dQ is whole: into this chunk's A_qk scratch now (this kernel reads no forward A_qk), out of registers.
+    tl.store(A_qk + sq, tl.where(causal, scale * dQ, 0.0))
 
-    # The rest in an order that ends each [C, K] tile's life early (stored as soon as complete).
-    g_c = tl.load(G + k_off, mask=m_k, other=0.0)
-    last = end - 1
-    g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
-    e_g = tl.where(m_k, tl.exp(g_c), 0.0)
-    e_gc = tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
-    q_raw = tl.load(q + qk_off, mask=m_k, other=0.0).to(tl.float32)
-    up_q = dqt * (q_raw * _inv_norm(q_raw, L2)[:, None])  # dq~ q, the q part of up below
-    tl.store(dq + k_off, dqt * e_g, mask=m_k)
-    k_raw = tl.load(k + qk_off, mask=m_k, other=0.0).to(tl.float32)
-    k_c = k_raw * _inv_norm(k_raw, L2)[:, None]
-    before = _sum_before(dkt * (k_c * e_gc))  # sum_{s < t} kt_s
-    dk_c = dkt * e_gc
-    # through W = T X (X = beta k e^G); U = T (beta v) was handled per V block above
-    X = b_c[:, None] * k_c * e_g
-    dT += tl.dot(dW, tl.trans(X), input_precision=DOT_PRECISION)
-    dX = tl.dot(tl.trans(t_inv), dW, input_precision=DOT_PRECISION)
-    db_c += tl.sum(k_c * e_g * dX, axis=1)
-    tl.store(dk + k_off, dk_c + b_c[:, None] * e_g * dX, mask=m_k)
-    # da_t without the pairwise terms: sum_{s >= t} up_s + sum_{s < t} kt_s + e^(G_C) sum_v S0 dS
-    up = (up_q + b_c[:, None] * k_c * dX) * e_g
-    da_c = tl.cumsum(up, axis=0, reverse=True) + before + (tl.exp(g_last) * s0_ds)[None, :]
-    tl.store(da + k_off, da_c, mask=m_k)
+    q_norm = _inv_norms(q, rows, valid, i_h, H, K, BK, BKB, L2)
+    k_norm = _inv_norms(k, rows, valid, i_h, H, K, BK, BKB, L2)
+    tl.store(norms + chunk * 2 * BT + r, q_norm)
+    tl.store(norms + chunk * 2 * BT + BT + r, k_norm)
+    g_last_row = G + (end - 1).to(tl.int64) * (HV * K) + i_hv * K  # G_C: the chunk's last token
+    for c0 in range(0, BK, BKB):
+        kcols = c0 + tl.arange(0, BKB)
+        dqt = tl.zeros([BT, BKB], dtype=tl.float32)
+        dkt = tl.zeros([BT, BKB], dtype=tl.float32)
+        dW = tl.zeros([BT, BKB], dtype=tl.float32)
+        s0_ds = tl.zeros([BKB], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            v_off, m_v = _v_rows(i_v, rows, valid, i_hv, HV, V, BV)
+            vcols = i_v * BV + tl.arange(0, BV)
+            st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
+            st_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+            S0 = tl.load(h + st, mask=st_mask, other=0.0)
+            dS = tl.load(dh + st, mask=st_mask, other=0.0)
+            do_b = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
+            d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
+            dd_b = tl.load(dd + v_off, mask=m_v, other=0.0)
+            dqt += tl.dot(do_b, tl.trans(S0), input_precision=DOT_PRECISION)
+            dkt += tl.dot(d_b, tl.trans(dS), input_precision=DOT_PRECISION)
+            dW -= tl.dot(dd_b, tl.trans(S0), input_precision=DOT_PRECISION)
+            s0_ds += tl.sum(S0 * dS, axis=1)
+        dqt = scale * dqt
+
+        m_k = valid[:, None] & (kcols[None, :] < K)
+        k_off = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :]
+        g_c = tl.load(G + k_off, mask=m_k, other=0.0)
+        g_last = tl.load(g_last_row + kcols, mask=kcols < K, other=0.0)
+        e_g = tl.where(m_k, tl.exp(g_c), 0.0)
+        e_gc = tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
+        q_c = tl.load(_rows(q, rows, i_h, kcols, H, K), mask=m_k, other=0.0).to(tl.float32) * q_norm[:, None]
+        up_q = dqt * q_c  # dq~ q, the q part of up below
+        tl.store(dq + k_off, dqt * e_g, mask=m_k)
+        k_c = tl.load(_rows(k, rows, i_h, kcols, H, K), mask=m_k, other=0.0).to(tl.float32) * k_norm[:, None]
+        before = _sum_before(dkt * (k_c * e_gc))  # sum_{s < t} kt_s
+        # through W = T X (X = beta k e^G); U = T (beta v) was handled in part 1
+        X = b_c[:, None] * k_c * e_g
+        dT += tl.dot(dW, tl.trans(X), input_precision=DOT_PRECISION)
+        dX = tl.dot(tl.trans(t_inv), dW, input_precision=DOT_PRECISION)
+        db_c += tl.sum(k_c * e_g * dX, axis=1)
+        tl.store(dk + k_off, dkt * e_gc + b_c[:, None] * e_g * dX, mask=m_k)
+        # da_t without the pairwise terms: sum_{s >= t} up_s + sum_{s < t} kt_s + e^(G_C) sum_v S0 dS
+        up = (up_q + b_c[:, None] * k_c * dX) * e_g
+        da_c = tl.cumsum(up, axis=0, reverse=True) + before + (tl.exp(g_last) * s0_ds)[None, :]
+        tl.store(da + k_off, da_c, mask=m_k)
+
     dA = tl.dot(tl.dot(tl.trans(t_inv), dT, input_precision=DOT_PRECISION), tl.trans(t_inv),
                 input_precision=DOT_PRECISION)
     dA = tl.where(strict, -dA, 0.0)
     m_kk = tl.load(M + sq)
     db_c += tl.sum(dA * m_kk, axis=1)
-    dM = b_c[:, None] * dA
     tl.store(dbeta + rows.to(tl.int64) * HV + i_hv, db_c, mask=valid)
-    tl.debug_barrier()
+    tl.debug_barrier()  # every thread has read M before it is overwritten
 
     # The pairwise terms through M_ij = sum_c k_i k_j E_ij and Q_ij = sum_c q_i k_j E_ij, 16 rows at a time
     # with the forward's causal local anchors (both factors of E <= 1, one tl.dot per block); dM and dQ
     # go through this chunk's own M / A_qk scratch so that their 16x16 blocks can be read back.
-    tl.store(M + sq, dM)
-    tl.store(A_qk + sq, dQ)
+    tl.store(M + sq, b_c[:, None] * dA)
     tl.debug_barrier()
     for I in range(BT // BC):  # run-time loops here and below: unrolled, this kernel took 53 s to compile
         if start + I * BC < end and PAIRS > 0:
-            _pairwise_row_block(q, k, G, M, A_qk, dq, dk, da, chunk * BT * BT, start, end, i_h, i_hv, I,
-                                H, HV, K, L2, BT, BK, BKC, BC, DOT_PRECISION, PAIRS > 1)
+            _pairwise_row_block(q, k, G, M, A_qk, norms, dq, dk, da, chunk, start, end, i_h, i_hv, I,
+                                H, HV, K, BT, BK, BKB, BKC, BC, DOT_PRECISION, PAIRS > 1)
 
 
 @triton.jit
-def _v_block(i_v, rows, valid, kcols, chunk, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BV: tl.constexpr):
+def _v_rows(i_v, rows, valid, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """Block ``i_v`` of BV value columns: offsets and mask of the chunk's ``[C, BV]`` rows in a ``[tokens, HV,
-    V]`` tensor, and of its ``[K, BV]`` tile in a ``[NT, HV, K, V]`` state tensor."""
+    V]`` tensor."""
     vcols = i_v * BV + tl.arange(0, BV)
-    v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
-    st = chunk * K * V + kcols[:, None] * V + vcols[None, :]
-    return v_off, valid[:, None] & (vcols[None, :] < V), st, (kcols[:, None] < K) & (vcols[None, :] < V)
+    return rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :], valid[:, None] & (vcols[None, :] < V)
+
+
+@triton.jit
+def _inv_norms(x, rows, valid, head, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
+               L2: tl.constexpr):
+    """Per row of ``x [tokens, HEADS, K]`` at ``rows``: ``1 / sqrt(sum_c x^2 + eps)`` over the whole head
+    dimension, summed BKB columns at a time, with l2norm in kernel; else 1."""
+    inv = tl.full([rows.shape[0]], 1.0, tl.float32)
+    if L2:
+        squares = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        for c0 in range(0, BK, BKB):
+            cols = c0 + tl.arange(0, BKB)
+            x_b = tl.load(_rows(x, rows, head, cols, HEADS, K), mask=valid[:, None] & (cols[None, :] < K),
+                          other=0.0).to(tl.float32)
+            squares += tl.sum(x_b * x_b, axis=1)
+        inv = tl.rsqrt(squares + 1e-6)  # eps as kda.reference.l2norm
+    return inv
 
 
 @triton.jit
@@ -250,9 +277,9 @@ def _sum_before(x):
 
 
 @triton.jit
-def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_hv, I,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _pairwise_row_block(q, k, G, dM, dQ, norms, dq, dk, da, chunk, start, end, i_h, i_hv, I,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        BKB: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         DIAGONAL: tl.constexpr):
     """For rows ``i`` of sub-chunk I: ``rk_i = sum_j dM_ij k_j E_ij``, ``rq_i = sum_j dQ_ij k_j E_ij``, and for
     every earlier column ``j``: ``ck_j += sum_i (dM_ij k_i + dQ_ij q_i) E_ij``; then ``dk += rk + ck``,
@@ -265,98 +292,125 @@ def _pairwise_row_block(q, k, G, dM, dQ, dq, dk, da, a_base, start, end, i_h, i_
                      t in I, t <= i: sum_{i >= t} (k rk + q rq)_i  (I's rows, reverse cumsum)
         j in I:      sum_{i >= t} sum_{j < t} P_ij                (the diagonal block: `_diagonal_by_products`,
                                                                    or element by element)
-    """
+
+    Every term is per column of K, so the block runs BKB columns at a time; only the diagonal block's path
+    depends on all of them (its decay span and largest log decay, found first)."""
     sub = tl.arange(0, BC)
-    cols = tl.arange(0, BK)
     rows_i = start + I * BC + sub
     valid_i = rows_i < end
-    m_i = valid_i[:, None] & (cols[None, :] < K)
-    k_i = tl.load(_rows(k, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
-    q_i = tl.load(_rows(q, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
-    k_norm = _inv_norm(k_i, L2)
-    q_norm = _inv_norm(q_i, L2)
-    k_i = k_i * k_norm[:, None]
-    q_i = q_i * q_norm[:, None]
-    anchor = tl.load(G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K + cols, mask=cols < K, other=0.0)
-    g_i = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cols, HV, K), mask=m_i, other=0.0), anchor[None, :])
-    late = tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
-    rk = tl.zeros([BC, BK], dtype=tl.float32)
-    rq = tl.zeros([BC, BK], dtype=tl.float32)
-    for J in range(I):
-        rows_j = start + J * BC + sub  # before the anchor, inside the sequence
-        m_j = (rows_j[:, None] < end) & (cols[None, :] < K)
-        k_j = tl.load(_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32)
-        k_j = k_j * _inv_norm(k_j, L2)[:, None]
-        early = tl.exp(anchor[None, :] - tl.load(_rows(G, rows_j, i_hv, cols, HV, K), mask=m_j, other=0.0))
-        blk = a_base + (I * BC + sub)[:, None] * BT + (J * BC + sub)[None, :]
-        dM_ij = tl.load(dM + blk)
-        dQ_ij = tl.load(dQ + blk)
-        rk += tl.dot(dM_ij, k_j * early, input_precision=DOT_PRECISION)
-        rq += tl.dot(dQ_ij, k_j * early, input_precision=DOT_PRECISION)
-        ck = (tl.dot(tl.trans(dM_ij), k_i * late, input_precision=DOT_PRECISION)
-              + tl.dot(tl.trans(dQ_ij), q_i * late, input_precision=DOT_PRECISION)) * early
-        dk_j = _rows(dk, rows_j, i_hv, cols, HV, K)
-        da_j = _rows(da, rows_j, i_hv, cols, HV, K)
-        col = k_j * ck  # [BC, BK]: sum_i P_ij over this block's rows, per column j
-        tl.store(dk_j, tl.load(dk_j, mask=m_j, other=0.0) + ck, mask=m_j)
-        tl.store(da_j, tl.load(da_j, mask=m_j, other=0.0) + _sum_before(col), mask=m_j)
-        tl.debug_barrier()
-        across = tl.sum(col, axis=0)  # [BK]: every pair of blocks I and J, for the tokens between them
-        for Mid in range(J + 1, I):
-            m_b = ((start + Mid * BC + sub)[:, None] < end) & (cols[None, :] < K)
-            da_b = _rows(da, start + Mid * BC + sub, i_hv, cols, HV, K)
-            tl.store(da_b, tl.load(da_b, mask=m_b, other=0.0) + across[None, :], mask=m_b)
-            tl.debug_barrier()
-    rk = rk * late
-    rq = rq * late
-    dk_i = _rows(dk, rows_i, i_hv, cols, HV, K)
-    dq_i = _rows(dq, rows_i, i_hv, cols, HV, K)
-    da_i = _rows(da, rows_i, i_hv, cols, HV, K)
-    tl.store(dk_i, tl.load(dk_i, mask=m_i, other=0.0) + rk, mask=m_i)
-    tl.store(dq_i, tl.load(dq_i, mask=m_i, other=0.0) + rq, mask=m_i)
-    row = k_i * rk + q_i * rq  # [BC, BK]: sum_j P_ij over the earlier blocks, per row i
-    tl.store(da_i, tl.load(da_i, mask=m_i, other=0.0) + tl.cumsum(row, axis=0, reverse=True), mask=m_i)
-    tl.debug_barrier()
+    a_base = chunk * BT * BT
+    norm_base = norms + chunk * 2 * BT
+    q_norm = tl.load(norm_base + I * BC + sub)
+    k_norm = tl.load(norm_base + BT + I * BC + sub)
+    a_row = G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K  # the anchor: the block's first row
 
-    # The diagonal block: by products against the block's anchor where its decay span allows (see
-    # `DIFFERENCE_STEP`), else element by element over K slices (exponents masked before exp).
-    if not DIAGONAL:  # timing only (see PAIRS)
-        return
-    blk = a_base + (I * BC + sub)[:, None] * BT + (I * BC + sub)[None, :]
-    dM_ii = tl.load(dM + blk)
-    dQ_ii = tl.load(dQ + blk)
-    span = tl.max(tl.max(tl.abs(g_i - anchor[None, :]), axis=1), axis=0)  # rows past the end hold G_a
-    after_first = m_i & (sub >= 1)[:, None]
-    g_before = tl.load(_rows(G, rows_i - 1, i_hv, cols, HV, K), mask=after_first, other=0.0)
-    step = tl.max(tl.max(tl.where(after_first, tl.abs(g_i - g_before), 0.0), axis=1), axis=0)
-    if span <= DOT_SPAN and step <= DIFFERENCE_STEP:
-        _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC,
-                              DOT_PRECISION)
-    else:
-        keep = (sub[:, None] >= sub[None, :]) & valid_i[:, None]
-        before = sub[:, None] > sub[None, :]  # [t, j]: j < t
-        for c0 in range(0, BK, BKC):
-            cs = c0 + tl.arange(0, BKC)
-            m_s = valid_i[:, None] & (cs[None, :] < K)
-            ks = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * k_norm[:, None]
-            qs = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * q_norm[:, None]
-            gs = tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_s, other=0.0)
-            E = tl.exp(tl.where(keep[:, :, None], gs[:, None, :] - gs[None, :, :], float("-inf")))
-            PM = dM_ii[:, :, None] * E
-            PQ = dQ_ii[:, :, None] * E
-            rk_s = tl.sum(PM * ks[None, :, :], axis=1)
-            rq_s = tl.sum(PQ * ks[None, :, :], axis=1)
-            ck_s = tl.sum(PM * ks[:, None, :] + PQ * qs[:, None, :], axis=0)
-            # sum_{i >= t} sum_{j < t} P_ij: reverse cumsum over i, read at row t, summed over j < t
-            P = (PM * ks[:, None, :] + PQ * qs[:, None, :]) * ks[None, :, :]
-            da_s = tl.sum(tl.where(before[:, :, None], tl.cumsum(P, axis=0, reverse=True), 0.0), axis=1)
-            p_dk = _rows(dk, rows_i, i_hv, cs, HV, K)
-            p_dq = _rows(dq, rows_i, i_hv, cs, HV, K)
-            p_da = _rows(da, rows_i, i_hv, cs, HV, K)
-            tl.store(p_dk, tl.load(p_dk, mask=m_s, other=0.0) + rk_s + ck_s, mask=m_s)
-            tl.store(p_dq, tl.load(p_dq, mask=m_s, other=0.0) + rq_s, mask=m_s)
-            tl.store(p_da, tl.load(p_da, mask=m_s, other=0.0) + da_s, mask=m_s)
+    # The diagonal block's path: by products against the anchor where its decay span (max |G_i - G_a|,
+    # rows past the end hold G_a) is at most DOT_SPAN and its largest single log decay (max |G_t - G_(t-1)|
+    # over its rows after the first) at most DIFFERENCE_STEP; else element by element.
+    after_first = valid_i & (sub >= 1)
+    span = 0.0
+    step = 0.0
+    for c0 in range(0, BK, BKB):
+        cols = c0 + tl.arange(0, BKB)
+        m_i = valid_i[:, None] & (cols[None, :] < K)
+        anchor = tl.load(a_row + cols, mask=cols < K, other=0.0)
+        g_i = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cols, HV, K), mask=m_i, other=0.0), anchor[None, :])
+        m_b = after_first[:, None] & (cols[None, :] < K)
+        g_before = tl.load(_rows(G, rows_i - 1, i_hv, cols, HV, K), mask=m_b, other=0.0)
+        span = tl.maximum(span, tl.max(tl.max(tl.abs(g_i - anchor[None, :]), axis=1), axis=0))
+        step = tl.maximum(step, tl.max(tl.max(tl.where(m_b, tl.abs(g_i - g_before), 0.0), axis=1), axis=0))
+    by_products = (span <= DOT_SPAN) & (step <= DIFFERENCE_STEP)
+    blk_ii = a_base + (I * BC + sub)[:, None] * BT + (I * BC + sub)[None, :]
+    dM_ii = tl.load(dM + blk_ii)
+    dQ_ii = tl.load(dQ + blk_ii)
+
+    for c0 in range(0, BK, BKB):
+        cols = c0 + tl.arange(0, BKB)
+        m_i = valid_i[:, None] & (cols[None, :] < K)
+        k_i = tl.load(_rows(k, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32) * k_norm[:, None]
+        q_i = tl.load(_rows(q, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32) * q_norm[:, None]
+        anchor = tl.load(a_row + cols, mask=cols < K, other=0.0)
+        g_i = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cols, HV, K), mask=m_i, other=0.0), anchor[None, :])
+        late = tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
+        rk = tl.zeros([BC, BKB], dtype=tl.float32)
+        rq = tl.zeros([BC, BKB], dtype=tl.float32)
+        for J in range(I):
+            rows_j = start + J * BC + sub  # before the anchor, inside the sequence
+            m_j = (rows_j[:, None] < end) & (cols[None, :] < K)
+            k_j = tl.load(_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32)
+            k_j = k_j * tl.load(norm_base + BT + J * BC + sub)[:, None]
+            early = tl.exp(anchor[None, :] - tl.load(_rows(G, rows_j, i_hv, cols, HV, K), mask=m_j, other=0.0))
+            blk = a_base + (I * BC + sub)[:, None] * BT + (J * BC + sub)[None, :]
+            dM_ij = tl.load(dM + blk)
+            dQ_ij = tl.load(dQ + blk)
+            rk += tl.dot(dM_ij, k_j * early, input_precision=DOT_PRECISION)
+            rq += tl.dot(dQ_ij, k_j * early, input_precision=DOT_PRECISION)
+            ck = (tl.dot(tl.trans(dM_ij), k_i * late, input_precision=DOT_PRECISION)
+                  + tl.dot(tl.trans(dQ_ij), q_i * late, input_precision=DOT_PRECISION)) * early
+            dk_j = _rows(dk, rows_j, i_hv, cols, HV, K)
+            da_j = _rows(da, rows_j, i_hv, cols, HV, K)
+            col = k_j * ck  # [BC, BKB]: sum_i P_ij over this block's rows, per column j
+            tl.store(dk_j, tl.load(dk_j, mask=m_j, other=0.0) + ck, mask=m_j)
+            tl.store(da_j, tl.load(da_j, mask=m_j, other=0.0) + _sum_before(col), mask=m_j)
             tl.debug_barrier()
+            across = tl.sum(col, axis=0)  # [BKB]: every pair of blocks I and J, for the tokens between them
+            for Mid in range(J + 1, I):
+                m_b = ((start + Mid * BC + sub)[:, None] < end) & (cols[None, :] < K)
+                da_b = _rows(da, start + Mid * BC + sub, i_hv, cols, HV, K)
+                tl.store(da_b, tl.load(da_b, mask=m_b, other=0.0) + across[None, :], mask=m_b)
+                tl.debug_barrier()
+        rk = rk * late
+        rq = rq * late
+        dk_i = _rows(dk, rows_i, i_hv, cols, HV, K)
+        dq_i = _rows(dq, rows_i, i_hv, cols, HV, K)
+        da_i = _rows(da, rows_i, i_hv, cols, HV, K)
+        tl.store(dk_i, tl.load(dk_i, mask=m_i, other=0.0) + rk, mask=m_i)
+        tl.store(dq_i, tl.load(dq_i, mask=m_i, other=0.0) + rq, mask=m_i)
+        row = k_i * rk + q_i * rq  # [BC, BKB]: sum_j P_ij over the earlier blocks, per row i
+        tl.store(da_i, tl.load(da_i, mask=m_i, other=0.0) + tl.cumsum(row, axis=0, reverse=True), mask=m_i)
+        tl.debug_barrier()
+
+        if DIAGONAL:  # (False for timing only: see PAIRS)
+            if by_products:
+                _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC,
+                                      DOT_PRECISION)
+            else:
+                _diagonal_elementwise_grad(q, k, G, dM_ii, dQ_ii, q_norm, k_norm, dq, dk, da, rows_i, valid_i,
+                                           i_h, i_hv, c0, H, HV, K, BKB, BKC, BC)
+
+
+@triton.jit
+def _diagonal_elementwise_grad(q, k, G, dM_ii, dQ_ii, q_norm, k_norm, dq, dk, da, rows_i, valid_i, i_h, i_hv, c0,
+                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKB: tl.constexpr,
+                               BKC: tl.constexpr, BC: tl.constexpr):
+    """The diagonal block's terms of `_pairwise_row_block` for columns ``c0 .. c0 + BKB``, element by element
+    over BKC-column slices, each exponent masked to -inf above the diagonal before ``exp``: exact whatever
+    the decays (every term of ``da_t`` carries the decay across t)."""
+    sub = tl.arange(0, BC)
+    keep = (sub[:, None] >= sub[None, :]) & valid_i[:, None]
+    before = sub[:, None] > sub[None, :]  # [t, j]: j < t
+    for s0 in range(0, BKB, BKC):
+        cs = c0 + s0 + tl.arange(0, BKC)
+        m_s = valid_i[:, None] & (cs[None, :] < K)
+        ks = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * k_norm[:, None]
+        qs = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_s, other=0.0).to(tl.float32) * q_norm[:, None]
+        gs = tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_s, other=0.0)
+        E = tl.exp(tl.where(keep[:, :, None], gs[:, None, :] - gs[None, :, :], float("-inf")))
+        PM = dM_ii[:, :, None] * E
+        PQ = dQ_ii[:, :, None] * E
+        rk_s = tl.sum(PM * ks[None, :, :], axis=1)
+        rq_s = tl.sum(PQ * ks[None, :, :], axis=1)
+        ck_s = tl.sum(PM * ks[:, None, :] + PQ * qs[:, None, :], axis=0)
+        # sum_{i >= t} sum_{j < t} P_ij: reverse cumsum over i, read at row t, summed over j < t
+        P = (PM * ks[:, None, :] + PQ * qs[:, None, :]) * ks[None, :, :]
+        da_s = tl.sum(tl.where(before[:, :, None], tl.cumsum(P, axis=0, reverse=True), 0.0), axis=1)
+        p_dk = _rows(dk, rows_i, i_hv, cs, HV, K)
+        p_dq = _rows(dq, rows_i, i_hv, cs, HV, K)
+        p_da = _rows(da, rows_i, i_hv, cs, HV, K)
+        tl.store(p_dk, tl.load(p_dk, mask=m_s, other=0.0) + rk_s + ck_s, mask=m_s)
+        tl.store(p_dq, tl.load(p_dq, mask=m_s, other=0.0) + rq_s, mask=m_s)
+        tl.store(p_da, tl.load(p_da, mask=m_s, other=0.0) + da_s, mask=m_s)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -426,9 +480,11 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
     if NT > 0:
         bwd_chunk_kernel[(NT, HV)](
             q, k, v, beta, saved["G"], saved["h"], dh, saved["v_new"], dd, do, saved["T"], saved["A_qk"],
-            saved["M"], dq_h, dk_h, da, dv, dbeta_h, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
+            saved["M"], torch.empty(NT, HV, 2, C, dtype=f32, device=device), dq_h, dk_h, da, dv, dbeta_h,
+            layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=min(config.backward_block_v, BV_all), BKC=min(BK, 16), BC=SUB_CHUNK, DOT_PRECISION=precision.backward_chunk,
+            BT=C, BK=BK, BV=min(config.backward_block_v, BV_all), BKB=min(config.backward_block_k, BK),
+            BKC=min(BK, config.backward_block_k, 16), BC=SUB_CHUNK, DOT_PRECISION=precision.backward_chunk,
             num_warps=config.backward_warps, num_stages=config.backward_stages,
         )
     dq, dk, dg, dbeta, dA_log, ddt_bias = fused_tails(inputs, spec, dq_h, dk_h, da, dbeta_h)

@@ -21,9 +21,9 @@ class LaunchConfig:
     measured: bool = False
     intra_block_w: int = 0  # columns of w and u per product in the intra kernel (0: all in one)
     intra_stages: int = 3  # software pipelining of the intra kernel's loops (Triton's default)
-    backward_warps: int = 8  # the backward's per-chunk kernel (not yet measured anywhere)
-    # Its V loop pipelined 2 deep, not Triton's default 3: compiled for sm90, 213 KB of shared memory at
-    # K = 256 (3 stages: 287 KB, over Hopper's 227 KB; 1 stage: 233 KB) and 115 KB at K = 128 (156 KB).
+    backward_warps: int = 4  # the backward's per-chunk kernel (session 7: 3.52 ms at 4 warps, 5.39 at 8)
+    # Its V loops pipelined 2 deep, not Triton's default 3 (chosen when the kernel held whole [C, K] tiles and
+    # shared memory was short; by blocks of K it needs 40-48 KB at 1 or 2 stages, compiled for sm90).
     backward_stages: int = 2
     gate_block_k: int = 32  # K columns per program of the gate cumsum
     # K columns per step of the intra kernel's score products (0: the whole head dim in one). Not yet
@@ -36,6 +36,7 @@ class LaunchConfig:
     # against 0.63 with TF32 products, p90 0.80 against 0.71. Off unless the H200 shows it pays.
     intra_half_products: bool = False
     backward_block_v: int = 32  # V columns per step of the backward's per-chunk kernel
+    backward_block_k: int = 32  # K columns per block of the backward's per-chunk kernel (see `backward`)
     backward_state_block_v: int = 64  # BV of the backward's serial pass over chunks
     backward_state_warps: int = 4
 
@@ -70,19 +71,26 @@ class LaunchConfig:
 # (BV 128 at 2 warps 0.519, 8 warps 0.591); intra with half-width w/u products 1.765 against 1.834 (not
 # taken: see `intra_half_products`). Training (B4_T2048_H16_D128, call3-v11/train-sweep.txt): the
 # backward at 4 warps 8.81 ms against 8.67 at 8; its state pass at 8 warps 0.94 against 1.06 (BV 32: 1.48).
+# Session 7 (training at B4_T2048_H16_D128, session7/call2-v14/train-sweep.txt; the backward's per-chunk
+# kernel now by blocks of K): that kernel at 4 warps 3.52 ms against 5.39 at 8 (taken); K blocks of 64 at 4
+# warps 3.60, at 8 warps 4.66; V blocks of 64 at 8 warps 7.00.
 # Shared memory, from compiling for sm90 on a CPU (`python -m kda.backends.triton.aot`) against 227 KB per
-# block on Hopper: every kernel fits at K = 128 and 256 with these settings there (Triton 3.9). On the
-# H200 (Triton 3.6) the backward's per-chunk kernel asked 248 KB at K = 256 and did not launch: the
-# backend refuses training above 128 on CUDA.
+# block on Hopper: every kernel fits at K = 128 and 256 with these settings there (Triton 3.9 and 3.6).
+# Version 13's per-chunk kernel asked 248 KB at K = 256 on the H200 (it came to 213 KB here) and did not
+# launch; taken by blocks of K (version 14) it needs 48 KB there, and ran on the H200. The backward's state
+# pass holds whole [K, C] operands: in TF32x3 (version 16) it needs 288 KB at K = 256 with 64 V columns a
+# program, 208 KB with 32 and 168 KB with 16 (Triton 3.6 and 3.9 alike, compiled here): K > 128 takes 16
+# (not yet run on the H200; version 15, in TF32 with 64 columns, took 15.0 ms at B8_T2048_H32_D256).
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
     9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64),
         "large": LaunchConfig(64, 4, 2, 64, 4, 1, measured=True, intra_block_w=32, intra_stages=1,
-                              gate_block_k=64)},
+                              gate_block_k=64, backward_state_block_v=16)},
 }
 # Other architectures: sm90's choices, unmeasured there.
 _DEFAULT = {"small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
-            "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
+            "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64,
+                                  backward_state_block_v=16)}
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:

@@ -439,7 +439,7 @@ def test_bf16_training_dA_log_survives_the_gpus_products(interpreter, monkeypatc
     assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
 
 
-def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):  # noqa: F811
+def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
     """Drawn by the random cases in session 7 (fp16 training, softplus gate, realistic regime): with intra and
     the backward state pass in TF32 (versions 12 to 15) dA_log came out 1.85e-2 off (tolerance 1e-2), every
     other gradient within 9e-4; 2 of 61 random bf16/fp16 training cases drawn alike failed the same way.

@@ -63,6 +63,11 @@
 #           the training bench, FLA compiling its backward there first (GPU 0)
 #   s7e     (one GPU, session 7's last 4 minutes) version 16 (training in TF32x3 in every kernel but the
 #           output): the bench's training classes verified, then the training bench at K = 128
+#   next8a  (nvidia-h200-x2) for session 8, version 16 as shipped: the grid, training at K = 256 included
+#           (GPU 1); the bench classes, the training sweep at B4_T2048_H16_D128, the training bench with
+#           --tune in both gate modes (GPU 0)
+#   next8b  (nvidia-h200-x2) then: the training sweep at K = 256 over the serial passes' V columns (GPU 1);
+#           the forward bench with --tune at the six dense shapes and the K = 256 training bench (GPU 0)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -523,6 +528,36 @@ s7e)
   bench 5 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
     $(shape_args B4_T2048_H16_D128) --rounds 2
   cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
+  ;;
+next8a)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 15 12 verify-grid ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 400 10 verify-bench $(bench_case_args)
+  for index in 0 1 2; do  # benchmarks/triton_stages.py TRAIN_SWEEP
+    SWEEP_INDEX=$index timeout "$(left 250)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
+      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  done
+  bench 20 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt"; cat "$W"/bench-train*/results.md 2>/dev/null | grep "^|"
+  ;;
+next8b)
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    for index in 0 14 15 16 17; do
+      SWEEP_INDEX=$index timeout "$(left 20)" python3 benchmarks/triton_stages.py --train-sweep B8_T2048_H32_D256 \
+        2>&1 | grep -v -i warn >> "$W/train-sweep-d256.txt"
+    done ) &
+  export CUDA_VISIBLE_DEVICES=0
+  bench 200 bench-fwd --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
+    --mode fwd_pregated $(shape_args $DENSE)
+  bench 15 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
+    $(shape_args B8_T2048_H32_D256)
+  wait
+  cat "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;
 next6)
   # For session 6 (nvidia-h200-x2), version 9. GPU 1: the training classes up to K = 128 first (session 5's

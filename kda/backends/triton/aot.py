@@ -44,8 +44,12 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
     from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
     from kda.backends.triton.output import output_kernel
     from kda.backends.triton.state import state_pass_kernel
-    from kda.backends.triton.storage import (TRAINING_BACKWARD_CHUNK, TRAINING_BACKWARD_STATE, TRAINING_INTRA,
-                                             TRAINING_STATE)
+    from kda.backends.triton.storage import (
+        TRAINING_BACKWARD_CHUNK,
+        TRAINING_BACKWARD_STATE,
+        TRAINING_INTRA,
+        TRAINING_STATE,
+    )
     from kda.backends.triton.tails import ROWS, gate_beta_tail_kernel, qk_tail_kernel
 
     target = GPUTarget("cuda", capability * 10, 32)

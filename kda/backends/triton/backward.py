@@ -155,7 +155,7 @@ def bwd_chunk_kernel(
     dQ = tl.zeros([BT, BT], dtype=tl.float32)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     db_c = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
+    for i_v in range(tl.cdiv(V, BV)):
         v_off, m_v = _v_rows(i_v, rows, valid, i_hv, HV, V, BV)
         d_b = tl.load(v_new + v_off, mask=m_v, other=0.0)
         do_b = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
@@ -180,7 +180,7 @@ def bwd_chunk_kernel(
         dkt = tl.zeros([BT, BKB], dtype=tl.float32)
         dW = tl.zeros([BT, BKB], dtype=tl.float32)
         s0_ds = tl.zeros([BKB], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
+        for i_v in range(tl.cdiv(V, BV)):
             v_off, m_v = _v_rows(i_v, rows, valid, i_hv, HV, V, BV)
             vcols = i_v * BV + tl.arange(0, BV)
             st = chunk * K * V + kcols[:, None] * V + vcols[None, :]

@@ -126,6 +126,13 @@ shape_args() { for shape in "$@"; do printf -- '--shape %s ' "$shape"; done; }
 training_case_args() {  # every training class up to K = 128 (training above is refused on CUDA)
   for key in $(python3 -m kda.verify --list-cases | grep "/train" | grep -v d256); do printf -- '--case %s ' "$key"; done
 }
+train_sweep() {  # RESERVE SHAPE FILE INDEX...: TRAIN_SWEEP variants one a process, appended to $W/FILE
+  local reserve=$1 shape=$2 file=$3; shift 3
+  for index in "$@"; do
+    SWEEP_INDEX=$index timeout "$(left "$reserve")" python3 benchmarks/triton_stages.py --train-sweep "$shape" \
+      2>&1 | grep -v -i warn >> "$W/$file"
+  done
+}
 stages() {  # RESERVE [triton_stages.py arguments]
   local reserve=$1; shift
   timeout "$(left "$reserve")" python3 benchmarks/triton_stages.py "$@" > "$W/$([ "$1" = --sweep ] && echo sweep || echo stages).txt" 2>&1
@@ -424,10 +431,7 @@ s6c)
   ( export CUDA_VISIBLE_DEVICES=1
     verify_triton 20 12 verify-train $(training_case_args) ) &
   export CUDA_VISIBLE_DEVICES=0
-  for index in $(seq 0 10); do
-    SWEEP_INDEX=$index timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
-      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
-  done
+  train_sweep 30 B4_T2048_H16_D128 train-sweep.txt $(seq 0 10)
   wrap_up "$W/verify-train.txt"
   cat "$W/train-sweep.txt"
   ;;
@@ -443,8 +447,7 @@ s6d)
     --mode train_pregated $(shape_args B4_T2048_H16_D128 B1_T8192_H96_D128)
   bench 60 bench-fwd-varlen --tune --backend baseline:fla --backend triton --backend auto --mode fwd \
     $(shape_args $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"))
-  SWEEP_INDEX=0 timeout "$(left 30)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
-    2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
+  train_sweep 30 B4_T2048_H16_D128 train-sweep.txt 0
   stages 15 B1_T8192_H96_D128 B8_T2048_H32_D256
   wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/train-sweep.txt" "$W/stages.txt"
@@ -466,10 +469,7 @@ s7a)
     verify_triton 20 12 verify-grid ) &
   export CUDA_VISIBLE_DEVICES=0
   verify_triton 400 10 verify-bench $(bench_case_args)
-  for index in 0 1 2; do
-    SWEEP_INDEX=$index timeout "$(left 300)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
-      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
-  done
+  train_sweep 300 B4_T2048_H16_D128 train-sweep.txt 0 1 2
   bench 80 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   SWEEP_ONLY="intra_phases" stages 15 --sweep B1_T8192_H96_D128  # where the intra kernel's time goes
@@ -482,10 +482,7 @@ s7b)
     verify_triton 20 12 verify-grid ) &
   export CUDA_VISIBLE_DEVICES=0
   verify_triton 420 10 verify-bench $(bench_case_args)
-  for index in 0 1 2 3 4 5 6 8; do  # benchmarks/triton_stages.py TRAIN_SWEEP
-    SWEEP_INDEX=$index timeout "$(left 200)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
-      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
-  done
+  train_sweep 200 B4_T2048_H16_D128 train-sweep.txt 0 1 2 3 4 5 6 8
   bench 110 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   bench 25 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto \
@@ -499,10 +496,7 @@ s7c)
     verify_triton 15 12 verify-grid ) &
   export CUDA_VISIBLE_DEVICES=0
   verify_triton 380 10 verify-bench $(bench_case_args)
-  for index in 0 1 2; do  # benchmarks/triton_stages.py TRAIN_SWEEP
-    SWEEP_INDEX=$index timeout "$(left 250)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
-      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
-  done
+  train_sweep 250 B4_T2048_H16_D128 train-sweep.txt 0 1 2
   bench 150 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   bench 20 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto \
@@ -513,8 +507,7 @@ s7c)
 s7d)
   export KDA_TRITON_EXPERIMENTAL=1
   ( export CUDA_VISIBLE_DEVICES=1
-    SWEEP_INDEX=0 timeout "$(left 20)" python3 benchmarks/triton_stages.py --train-sweep B8_T2048_H32_D256 \
-      2>&1 | grep -v -i warn >> "$W/train-sweep.txt" ) &
+    train_sweep 20 B8_T2048_H32_D256 train-sweep.txt 0 ) &
   export CUDA_VISIBLE_DEVICES=0
   bench 15 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto \
     --mode train_safe $(shape_args B8_T2048_H32_D256)
@@ -535,10 +528,7 @@ next8a)
     verify_triton 15 12 verify-grid ) &
   export CUDA_VISIBLE_DEVICES=0
   verify_triton 400 10 verify-bench $(bench_case_args)
-  for index in 0 1 2; do  # benchmarks/triton_stages.py TRAIN_SWEEP
-    SWEEP_INDEX=$index timeout "$(left 250)" python3 benchmarks/triton_stages.py --train-sweep B4_T2048_H16_D128 \
-      2>&1 | grep -v -i warn >> "$W/train-sweep.txt"
-  done
+  train_sweep 250 B4_T2048_H16_D128 train-sweep.txt 0 1 2
   bench 20 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
   wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
@@ -547,10 +537,7 @@ next8a)
 next8b)
   export KDA_TRITON_EXPERIMENTAL=1
   ( export CUDA_VISIBLE_DEVICES=1
-    for index in 0 14 15 16 17; do
-      SWEEP_INDEX=$index timeout "$(left 20)" python3 benchmarks/triton_stages.py --train-sweep B8_T2048_H32_D256 \
-        2>&1 | grep -v -i warn >> "$W/train-sweep-d256.txt"
-    done ) &
+    train_sweep 20 B8_T2048_H32_D256 train-sweep-d256.txt 0 14 15 16 17 ) &
   export CUDA_VISIBLE_DEVICES=0
   bench 200 bench-fwd --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
     --mode fwd_pregated $(shape_args $DENSE)

@@ -19,19 +19,16 @@ The backward (`backward`: a reverse serial pass, a per-chunk gradient kernel tak
 elementwise tails fused in two launches, `tails`) gives every gradient and matches the float64 reference
 in the interpreter.
 
-On CUDA (run on an H200 since 2026-11-29): the forward is offered to everyone, and verified before
-use like every backend. Training is opt-in (``KDA_TRITON_EXPERIMENTAL=1``). For bf16/fp16 its products
-are TF32x3 in the two kernels where a GPU's truncated TF32 operands cost ``dA_log`` most, TF32 elsewhere
-(`storage.dot_precisions`). Version 13 passed every training class up to K = 128 on the H200 and ran at
-0.57x FLA (B4_T2048_H16_D128); version 14's per-chunk kernel takes K in blocks, which also brings its
-shared memory at K = 256 from over sm90's 227 KB (it did not launch) to about 48 KB, so training at
-K = 256 is offered on CUDA too. Verification catches wrong numbers, not a kernel that faults and takes
-the caller's CUDA context down with it.
+On CUDA (run on an H200 since 2026-11-29) the forward and training are offered at every K and V up to
+256, and verified before use like every backend. Training was opt-in (``KDA_TRITON_EXPERIMENTAL``) until a
+version passed the whole grid on the H200 with every training class (version 16, session 8); the variable
+is no longer read. For bf16/fp16 training the products are chosen per kernel for ``dA_log``'s sake
+(`storage.dot_precisions`): a GPU truncates fp32 operands to TF32, and ``dA_log`` sums terms that cancel.
+Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA context down with
+it; none has faulted over the grid on the H200 since version 14.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -39,7 +36,6 @@ from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, K
 from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
-OPT_IN = "KDA_TRITON_EXPERIMENTAL"  # training on CUDA, off until the backward has been verified there over the grid
 
 
 def _interpreting() -> bool:
@@ -49,14 +45,14 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(Backend):
-    """kda's own Triton kernels (on CUDA: the forward; training opt-in)."""
+    """kda's own Triton kernels: forward and training, on CUDA or in Triton's CPU interpreter."""
 
     name = "triton"
-    version = "16"  # bump whenever a kernel changes: verification records are kept per version
+    version = "18"  # bump whenever a kernel changes: verification records are kept per version
     priority = 5  # below fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True
-    description = "kda's own chunked Triton kernels; CUDA (training opt-in), CPU through TRITON_INTERPRET=1"
+    description = "kda's own chunked Triton kernels, forward and backward; CUDA, or CPU through TRITON_INTERPRET=1"
 
     def available(self) -> Verdict:
         try:
@@ -69,7 +65,7 @@ class TritonBackend(Backend):
             return Verdict.yes("TRITON_INTERPRET=1: runs on CPU tensors in Triton's interpreter")
         if not torch.cuda.is_available():
             return Verdict.no("needs a CUDA GPU (or TRITON_INTERPRET=1 to run CPU tensors in the interpreter)")
-        return Verdict.yes("CUDA: forward; training opt-in with " + OPT_IN + "=1")
+        return Verdict.yes("CUDA: forward and training")
 
     def fingerprint_extras(self) -> dict[str, str]:
         return {"interpreter": "on" if _interpreting() else "off"}
@@ -79,11 +75,6 @@ class TritonBackend(Backend):
         if spec.device.type == "cuda":
             if torch.cuda.get_device_capability(spec.device) < MIN_CAPABILITY:
                 broken.append("needs compute capability >= 8.0")
-            if spec.requires_grad and os.environ.get(OPT_IN, "0") != "1":
-                # Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA
-                # context down with it; the backward has run on a GPU for a few classes only.
-                broken.append(f"training on CUDA is opt-in for now ({OPT_IN}=1): the backward has passed "
-                              "verification on a GPU for a few case classes only")
         elif not (spec.device.type == "cpu" and _interpreting()):
             broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
         return Verdict.unless(broken)

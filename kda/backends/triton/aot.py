@@ -93,14 +93,14 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
                          {**heads, "L2": True, "BT": C, "BK": BK, "BV": min(config.output_block_v, BV_all),
                           "DOT_PRECISION": "tf32", "ROUND": False, "STORED_OPERANDS": True}, config.output_warps),
     }
-    # The training forward's two kernels with TF32x3 products (fp32 intermediates), then the backward, as bf16
-    # training runs them (`storage.dot_precisions`).
+    # The training forward's two kernels with training's products (fp32 intermediates), then the backward, as
+    # bf16 training runs them (`storage.dot_precisions`).
     needs["intra_train"] = shared(
         intra_chunk_kernel,
         {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "A_kk": f32, "A_qk": f32, "M_out": f32, "w": f32,
          "u": f32, "k_g": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all, "BKC": min(BK, 32),
-         "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
+         "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all, training=True),
          "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
          "DOT_PRECISION": TRAINING_INTRA, "SAVE": True, "ROUND": False, "STORED_OPERANDS": False, "PHASES": 3},
         config.intra_warps, config.intra_stages)
@@ -115,12 +115,12 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
     needs["bwd_chunk"] = shared(
         bwd_chunk_kernel,
         {"q": bf16, "k": bf16, "v": bf16, "beta": bf16, "G": f32, "h": f32, "dh": f32, "v_new": f32, "dd": f32,
-         "do": bf16, "T_inv": f32, "A_qk": f32, "M": f32, "norms": f32, "dq": f32, "dk": f32, "da": f32, "dv": f32,
+         "do": bf16, "T_inv": f32, "A_qk": f32, "M": f32, "norms": f32, "dq": f32, "dk": f32, "da": f32, "dv": bf16,
          "dbeta": f32, "chunk_starts": i32, "chunk_seq_ends": i32, "scale": "fp32"},
         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK,
          "BV": min(config.backward_block_v, BV_all), "BKB": min(config.backward_block_k, BK),
          "BKC": min(BK, config.backward_block_k, 16), "BC": SUB_CHUNK,
-         "DOT_PRECISION": TRAINING_BACKWARD_CHUNK, "PAIRS": 2},
+         "DOT_PRECISION": TRAINING_BACKWARD_CHUNK, "ROUND": False, "PAIRS": 2},
         config.backward_warps, config.backward_stages)
     needs["bwd_state"] = shared(
         bwd_state_kernel,

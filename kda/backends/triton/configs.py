@@ -20,6 +20,10 @@ class LaunchConfig:
     state_stages: int  # software pipelining of the state pass's loads (shared memory grows with it)
     measured: bool = False
     intra_block_w: int = 0  # columns of w and u per product in the intra kernel (0: all in one)
+    # the same when training (0: as at inference). Training's intra multiplies in TF32x3 (`storage`), three
+    # products for one, and narrower steps paid there (session 8, B4_T2048_H16_D128: 16 columns 0.76 ms
+    # against 0.88 at 32, when inference is fastest at 32)
+    training_intra_block_w: int = 0
     intra_stages: int = 3  # software pipelining of the intra kernel's loops (Triton's default)
     backward_warps: int = 4  # the backward's per-chunk kernel (session 7: 3.52 ms at 4 warps, 5.39 at 8)
     # Its V loops pipelined 2 deep, not Triton's default 3 (chosen when the kernel held whole [C, K] tiles and
@@ -79,18 +83,25 @@ class LaunchConfig:
 # Version 13's per-chunk kernel asked 248 KB at K = 256 on the H200 (it came to 213 KB here) and did not
 # launch; taken by blocks of K (version 14) it needs 48 KB there, and ran on the H200. The backward's state
 # pass holds whole [K, C] operands: in TF32x3 (version 16) it needs 288 KB at K = 256 with 64 V columns a
-# program, 208 KB with 32 and 168 KB with 16 (Triton 3.6 and 3.9 alike, compiled here): K > 128 takes 16
-# (not yet run on the H200; version 15, in TF32 with 64 columns, took 15.0 ms at B8_T2048_H32_D256).
+# program, 208 KB with 32 and 168 KB with 16 (Triton 3.6 and 3.9 alike, compiled here), so K > 128 took 16,
+# which ran 117 ms at B8_T2048_H32_D256 on the H200 (32 columns: 68.7; session 8, call2-v16-sweep). In
+# rounded TF32 (version 17) it needs 144 KB at 64 columns (Triton 3.6), as version 15 ran it in TF32: 15.0 ms.
+# Session 8 (version 16, TF32x3, B4_T2048_H16_D128, call2-v16-sweep): the backward state pass at 8 warps
+# 0.93 ms against 1.02 at 4, 16 columns 2.17, 32 columns 1.42 (at 8 warps 1.17); intra at 4 warps 0.84
+# against 0.88, 8 warps 1.50, w/u columns by 16 0.76, by 64 1.41, 2 stages 1.13; the state pass at 8 warps
+# 0.63 against 0.57. Version 17 (session8/call3-v17; the backward state pass in rounded TF32) swept again:
+# that pass at 8 warps 0.40 ms against 0.59 at 4 (taken in version 18), 32 V columns 0.59; at K = 256
+# (B8_T2048_H32_D256) 32 V columns 17.7 ms against 21.5 at 64 (taken in version 18; 8 warps not yet tried
+# there); training's intra by 32 w/u columns 0.87 against 0.76 at 16, at 4 warps 0.88.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
     9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
-                              gate_block_k=64),
+                              gate_block_k=64, training_intra_block_w=16, backward_state_warps=8),
         "large": LaunchConfig(64, 4, 2, 64, 4, 1, measured=True, intra_block_w=32, intra_stages=1,
-                              gate_block_k=64, backward_state_block_v=16)},
+                              gate_block_k=64, backward_state_block_v=32)},
 }
 # Other architectures: sm90's choices, unmeasured there.
 _DEFAULT = {"small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
-            "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64,
-                                  backward_state_block_v=16)}
+            "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:
@@ -98,7 +109,8 @@ def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:
     return _TABLE.get(capability_major or 0, _DEFAULT)[size]
 
 
-def intra_block_w(config: LaunchConfig, BK: int, BV: int) -> int:
+def intra_block_w(config: LaunchConfig, BK: int, BV: int, training: bool = False) -> int:
     """The intra kernel's BW: a power of two dividing both padded head dims."""
     full = min(BK, BV)
-    return full if config.intra_block_w <= 0 else min(full, config.intra_block_w)
+    chosen = config.training_intra_block_w if training and config.training_intra_block_w > 0 else config.intra_block_w
+    return full if chosen <= 0 else min(full, chosen)

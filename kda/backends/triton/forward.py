@@ -109,7 +109,7 @@ def plan_forward(
             q, k, v, beta, G, A_kk, A_qk, M if save else G, w, u, k_g,
             layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all),
+            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all, save),
             BKS=BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
             DOT_PRECISION=precision.intra, SAVE=save, ROUND=ROUND,
             STORED_OPERANDS=store != f32 and config.intra_half_products,

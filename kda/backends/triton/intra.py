@@ -50,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda.backends.triton.storage import operand, stored
+from kda.backends.triton.storage import dot, operand, stored
 
 SUB_CHUNK = 16  # rows per sub-chunk (the kernels' BC): the smallest tile tl.dot takes
 DOT_SPAN = tl.constexpr(80.0)  # largest decay span a diagonal block takes by product: e^80 = 5.5e34 < fp32 max
@@ -140,10 +140,10 @@ def intra_chunk_kernel(
         for J in range(I):
             acc = tl.zeros([BC, BC], dtype=tl.float32)
             for m in range(J, I):  # A_Im (not yet overwritten: m > J) times T_mJ (an earlier row block)
-                acc += tl.dot(tl.load(A_kk + a_base + _block_offsets(I, m, BT, BC)),
-                              tl.load(A_kk + a_base + _block_offsets(m, J, BT, BC)), input_precision=DOT_PRECISION)
+                acc += dot(tl.load(A_kk + a_base + _block_offsets(I, m, BT, BC)),
+                           tl.load(A_kk + a_base + _block_offsets(m, J, BT, BC)), DOT_PRECISION)
             tl.store(A_kk + a_base + _block_offsets(I, J, BT, BC),
-                     -tl.dot(d_inv, acc, input_precision=DOT_PRECISION))
+                     -dot(d_inv, acc, DOT_PRECISION))
         tl.store(A_kk + a_base + _block_offsets(I, I, BT, BC), d_inv)
         tl.debug_barrier()  # row block I of T is read by the later ones
     if PHASES < 3:  # timing only
@@ -184,7 +184,7 @@ def intra_chunk_kernel(
         w_in = k_blk * tl.exp(g_blk) * b_all[:, None]  # exp(G) <= 1
         if STORED_OPERANDS:
             w_in = operand(stored(w_in, w, ROUND), ROUND)
-        tl.store(w + g_off, stored(tl.dot(t_inv, w_in, input_precision=DOT_PRECISION), w, ROUND), mask=m_w)
+        tl.store(w + g_off, stored(dot(t_inv, w_in, DOT_PRECISION), w, ROUND), mask=m_w)
         g_last = tl.load(g_last_row + wcols, mask=wcols < K, other=0.0)
         k_late = k_blk * tl.exp(tl.where(m_w, g_last[None, :] - g_blk, 0.0))  # exp(G_C - G) <= 1
         tl.store(k_g + g_off, stored(k_late, k_g, ROUND), mask=m_w)
@@ -195,7 +195,7 @@ def intra_chunk_kernel(
         v_in = tl.load(v + v_off, mask=m_v, other=0.0).to(tl.float32) * b_all[:, None]
         if STORED_OPERANDS:
             v_in = operand(stored(v_in, u, ROUND), ROUND)
-        tl.store(u + v_off, stored(tl.dot(t_inv, v_in, input_precision=DOT_PRECISION), u, ROUND), mask=m_v)
+        tl.store(u + v_off, stored(dot(t_inv, v_in, DOT_PRECISION), u, ROUND), mask=m_v)
 
 @triton.jit
 def _block_offsets(I, J, BT: tl.constexpr, BC: tl.constexpr):
@@ -260,8 +260,8 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             k_j = _rows_l2(tl.load(_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32), L2)
             g_j = tl.load(_rows(G, rows_j, i_hv, cols, HV, K), mask=m_j, other=0.0)
             k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
-            kk = tl.dot(k_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
-            qk = tl.dot(q_i_late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
+            kk = dot(k_i_late, tl.trans(k_j_early), DOT_PRECISION)
+            qk = dot(q_i_late, tl.trans(k_j_early), DOT_PRECISION)
             _store_scores(kk, qk, b_i, out_off, A_kk, A_qk, M_out, SAVE, ROUND)
         elif J == I:
             causal = sub[:, None] >= sub[None, :]
@@ -272,8 +272,8 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
             if span <= DOT_SPAN:
                 # One product against the anchor (see the module docstring); k_i, q_i are normalized already.
                 k_i_early = k_i * tl.exp(tl.where(m_i, anchor[None, :] - g_i, 0.0))  # <= exp(DOT_SPAN)
-                kk = tl.dot(k_i_late, tl.trans(k_i_early), input_precision=DOT_PRECISION)
-                qk = tl.dot(q_i_late, tl.trans(k_i_early), input_precision=DOT_PRECISION)
+                kk = dot(k_i_late, tl.trans(k_i_early), DOT_PRECISION)
+                qk = dot(q_i_late, tl.trans(k_i_early), DOT_PRECISION)
                 kk = tl.where(strict, kk, 0.0)
                 qk = tl.where(causal & valid_i[:, None], qk, 0.0)
             else:
@@ -352,8 +352,8 @@ def _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, s
                     # exp(G_a - G_j): <= 1 for earlier blocks, <= exp(DOT_SPAN) on the diagonal
                     k_j_early = k_j * tl.exp(tl.where(m_j, anchor[None, :] - g_j, 0.0))
                     j_squares += tl.sum(k_j * k_j, axis=1)
-                    kk += tl.dot(k_i * late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
-                    qk += tl.dot(q_i * late, tl.trans(k_j_early), input_precision=DOT_PRECISION)
+                    kk += dot(k_i * late, tl.trans(k_j_early), DOT_PRECISION)
+                    qk += dot(q_i * late, tl.trans(k_j_early), DOT_PRECISION)
                 j_norm = tl.rsqrt(j_squares + 1e-6) if L2 else tl.full([BC], 1.0, tl.float32)
                 kk = kk * k_norm[:, None] * j_norm[None, :]
                 qk = qk * q_norm[:, None] * j_norm[None, :]

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.intra import _inv_norm
-from kda.backends.triton.storage import operand, stored
+from kda.backends.triton.storage import dot, operand, stored
 
 
 @triton.jit
@@ -61,5 +61,5 @@ def output_kernel(
         h_c, d_c, a_qk = operand(h_c, ROUND), operand(d_c, ROUND), operand(a_qk, ROUND)
     else:
         h_c, d_c, a_qk = h_c.to(tl.float32), d_c.to(tl.float32), a_qk.to(tl.float32)
-    out = tl.dot(q_c, h_c, input_precision=DOT_PRECISION) + tl.dot(a_qk, d_c, input_precision=DOT_PRECISION)
+    out = dot(q_c, h_c, DOT_PRECISION) + dot(a_qk, d_c, DOT_PRECISION)
     tl.store(o + v_off, stored(out * scale, o, ROUND), mask=m_v)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda.backends.triton.storage import operand, stored
+from kda.backends.triton.storage import dot, operand, stored
 
 
 @triton.jit
@@ -97,11 +97,11 @@ def state_pass_kernel(
         last = tl.minimum(start + BT, eos) - 1
         g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
         k_c = tl.load(k_g + k_off, mask=m_k, other=0.0)
-        v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) - tl.dot(
-            _factor(w_c, STORED_OPERANDS, ROUND), _factor(S, STORED_OPERANDS, ROUND, w), input_precision=DOT_PRECISION)
+        v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) - dot(
+            _factor(w_c, STORED_OPERANDS, ROUND), _factor(S, STORED_OPERANDS, ROUND, w), DOT_PRECISION)
         tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
-        product = tl.dot(tl.trans(_factor(k_c, STORED_OPERANDS, ROUND)), _factor(v_new, STORED_OPERANDS, ROUND, u),
-                         input_precision=DOT_PRECISION)
+        product = dot(tl.trans(_factor(k_c, STORED_OPERANDS, ROUND)), _factor(v_new, STORED_OPERANDS, ROUND, u),
+                      DOT_PRECISION)
         S = S * tl.exp(g_last)[:, None] + product
 
     if STORE_HT:

@@ -1,0 +1,127 @@
+"""How accurate the triton backend's half-precision training is under each choice of matrix products.
+
+    python benchmarks/training_precision.py SEED COUNT [--mix NAME ...] [--skip N]
+
+Runs on a CPU, in Triton's interpreter, with ``tl.dot`` computed as an NVIDIA GPU computes it
+(`tests/tf32.py`: TF32 operands truncated, TF32x3 split in three products). Draws COUNT random bf16/fp16
+training cases from SEED (gate mode, l2norm, beta activation, varlen, GVA, states, layouts, chunk size,
+K and V from 4 to 40, realistic or extreme gates), runs each against the float64 reference under every
+mix asked for (`MIXES`: the ``storage.TRAINING_*`` setting of each kernel), and prints one JSON line a
+case: per mix, whether it passed, its worst error / tolerance, the tensor that was worst, and ``dA_log``'s
+relative error (the gradient the products' error shows in: a sum whose terms cancel). A summary per mix
+goes to stderr at the end.
+
+The draws are the ones session 7 and session 8 used to choose `storage`'s settings (seeds 11, 12, 101,
+202; `docs/design.md`, "Precision and storage"). A case takes about 3 s a mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import pytest  # noqa: E402
+
+from kda.backends.triton import TritonBackend, storage  # noqa: E402
+from kda.spec import CaseClass, GateMode  # noqa: E402
+from kda.verify.cases import VerificationCase  # noqa: E402
+from kda.verify.check import run_case  # noqa: E402
+from tf32 import emulate_gpu_dots  # noqa: E402
+
+X3, TF32, ROUNDED = "tf32x3", "tf32", storage.TF32_ROUNDED
+
+
+def _mix(intra: str, state: str, backward_state: str, backward_chunk: str) -> dict[str, str]:
+    return {"TRAINING_INTRA": intra, "TRAINING_STATE": state, "TRAINING_BACKWARD_STATE": backward_state,
+            "TRAINING_BACKWARD_CHUNK": backward_chunk}
+
+
+# Named mixes: version 16 (all TF32x3), version 17 (the backward state pass rounded), and the others
+# session 8 tried; "truncated_12" is versions 12 to 15 (TF32 in intra and the backward state pass).
+MIXES = {
+    "v16": _mix(X3, X3, X3, X3),
+    "v17": _mix(X3, X3, ROUNDED, X3),
+    "truncated_12": _mix(TF32, X3, TF32, X3),
+    "truncated_backward_state": _mix(X3, X3, TF32, X3),
+    "rounded_intra_too": _mix(ROUNDED, X3, ROUNDED, X3),
+    "rounded_chunk_too": _mix(X3, X3, ROUNDED, ROUNDED),
+    "rounded_all_but_intra": _mix(X3, ROUNDED, ROUNDED, ROUNDED),
+}
+
+
+def draw(rng: random.Random) -> VerificationCase:
+    """One random half-precision training case (the order of the draws is fixed: seeds reproduce)."""
+    chunk = rng.choice([32, 64])
+    varlen, gva = rng.random() < 0.5, rng.random() < 0.5
+    dtype = rng.choice(["float16", "bfloat16"])
+    case_class = CaseClass(
+        gate=rng.choice(list(GateMode)), qk_l2norm=rng.random() < 0.5, beta=rng.choice(["given", "sigmoid", "sigmoid2"]),
+        dtype=dtype, varlen=varlen, gva=gva, initial_state=rng.random() < 0.5, final_state=rng.random() < 0.5,
+        state_v_first=rng.random() < 0.5, chunk_size=chunk, head_dim=64, training=True)
+    if varlen:
+        seq_lens = tuple(rng.randint(0, 2 * chunk + 3) for _ in range(rng.randint(1, 3)))
+        seq_lens = seq_lens if sum(seq_lens) else seq_lens + (1,)
+        batch = 1
+    else:
+        batch = rng.randint(1, 2)
+        seq_lens = (rng.randint(1, 2 * chunk + 3),) * batch
+    group = rng.choice([2, 3]) if gva else 1
+    K, V = rng.randint(4, 40), rng.randint(4, 40)
+    regime = rng.choice(["realistic", "extreme"])
+    g_dtype = "float32" if dtype == "float16" else dtype
+    return VerificationCase(case_class, regime, batch, 1, group, K, V, seq_lens, g_dtype,
+                            seed=rng.randint(0, 2**31 - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("seed", type=int)
+    parser.add_argument("count", type=int)
+    parser.add_argument("--mix", action="append", choices=list(MIXES), help="default: v16 and v17")
+    parser.add_argument("--skip", type=int, default=0, help="draw but do not run the first N cases")
+    args = parser.parse_args()
+    mixes = args.mix or ["v16", "v17"]
+
+    patch = pytest.MonkeyPatch()
+    emulate_gpu_dots(patch)
+    shipped = {name: getattr(storage, name) for name in MIXES["v16"]}
+    rng = random.Random(args.seed)
+    worst: dict[str, list[float]] = {mix: [] for mix in mixes}
+    failures = {mix: 0 for mix in mixes}
+    try:
+        for index in range(args.count):
+            case = draw(rng)
+            if index < args.skip:
+                continue
+            row = {"index": index, "key": case.case_class.key, "regime": case.regime, "K": case.K, "V": case.V,
+                   "seq_lens": case.seq_lens, "seed": case.seed}
+            for mix in mixes:
+                for name, value in MIXES[mix].items():
+                    setattr(storage, name, value)
+                result = run_case(TritonBackend(), case, "cpu")
+                tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
+                row[mix] = [result.passed, round(result.worst_ratio, 4), tensor, result.errors.get("dA_log")]
+                worst[mix].append(result.worst_ratio)
+                failures[mix] += not result.passed
+            print(json.dumps(row), flush=True)
+    finally:
+        for name, value in shipped.items():
+            setattr(storage, name, value)
+        patch.undo()
+    for mix in mixes:
+        ratios = sorted(worst[mix])
+        if ratios:
+            print(f"{mix}: {failures[mix]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
+                  f"median {ratios[len(ratios) // 2]:.3f}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -160,6 +160,23 @@ TRAIN_SWEEP = [
     {"state_block_v": 16},
     {"backward_state_block_v": 32},
     {"backward_state_block_v": 8},
+    # session 8: the launch settings of the kernels TF32x3 made slower (version 16, B4_T2048_H16_D128: intra
+    # 0.87 ms against 0.38 in TF32, backward state pass 1.04 against 0.54), chosen when they ran in TF32
+    {"intra_warps": 4},
+    {"intra_warps": 8},
+    {"intra_block_w": 64},
+    {"intra_block_w": 16},
+    {"intra_stages": 2},
+    {"backward_state_block_v": 16},
+    {"backward_state_block_v": 32, "backward_state_warps": 8},
+    {"state_warps": 8},
+    {"state_block_v": 32, "state_warps": 8},
+    # version 17 (the backward state pass in rounded TF32, training's intra by 16 columns of w/u): what
+    # TF32x3 costs in the other kernels, version 16's products, and intra by 32 columns, in one process
+    {"precision.state": "tf32_rounded"},
+    {"precision.backward_chunk": "tf32_rounded"},
+    {"precision.intra": "tf32x3", "precision.backward_state": "tf32x3"},
+    {"training_intra_block_w": 32},
 ]
 
 

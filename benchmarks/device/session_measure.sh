@@ -68,6 +68,12 @@
 #           --tune in both gate modes (GPU 0)
 #   next8b  (nvidia-h200-x2) then: the training sweep at K = 256 over the serial passes' V columns (GPU 1);
 #           the forward bench with --tune at the six dense shapes and the K = 256 training bench (GPU 0)
+#   s8b     (nvidia-h200-x2) session 8, call 2: the TF32x3 training kernels' launch settings, swept at
+#           B4_T2048_H16_D128 (GPU 0) and B8_T2048_H32_D256 (GPU 1)
+#   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
+#           bench, the forward bench at the three dense shapes s8c did not reach
+#   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
+#           bench, the forward bench at the dense shapes (both benches with --tune)
 #   triton  the triton backend: python -m kda.verify --backend triton over the grid and the bench classes
 #           (8 processes), then its forward rows beside FLA's in one process
 #
@@ -521,6 +527,55 @@ s7e)
   bench 5 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
     $(shape_args B4_T2048_H16_D128) --rounds 2
   cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
+  ;;
+s8d)
+  # Session 8, call 4 (nvidia-h200-x2), version 18 (version 17 with the backward state pass at 8 warps, and
+  # at 32 V columns for K > 128). GPU 1: the grid, then the K = 256 training kernels (and that pass at 8
+  # warps there). GPU 0: the bench classes, the training kernels and bench (--tune), then the forward bench
+  # (--tune) at the dense shapes call 3 did not reach.
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 150 12 verify-grid
+    train_sweep 10 B8_T2048_H32_D256 train-sweep-d256.txt 0 9 ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 350 10 verify-bench $(bench_case_args)
+  train_sweep 320 B4_T2048_H16_D128 train-sweep.txt 0
+  bench 230 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  bench 10 bench-fwd --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
+    --mode fwd_pregated $(shape_args B8_T1024_H8_D64 B4_T4096_H64_D128 B8_T2048_H32_D256)
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt" "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  ;;
+s8c)
+  # Session 8, call 3 (nvidia-h200-x2), version 17 (the backward state pass in rounded TF32, at 64 V columns
+  # for K > 128 too; training's intra by 16 columns of w/u; dv in v's dtype; training on CUDA by default).
+  # GPU 1: the grid, then the K = 256 training kernels. GPU 0: the bench classes, the training sweep
+  # (version 16's products in the same process; launch variants), the training bench and the forward
+  # bench at the dense shapes, both with --tune (auto's timing table).
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 90 12 verify-grid
+    train_sweep 15 B8_T2048_H32_D256 train-sweep-d256.txt 0 16 ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 400 10 verify-bench $(bench_case_args)
+  train_sweep 300 B4_T2048_H16_D128 train-sweep.txt 0 29 30 9 10 18 27 28
+  bench 200 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_safe --mode train_pregated $(shape_args B4_T2048_H16_D128)
+  bench 10 bench-fwd --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
+    --mode fwd_pregated $(shape_args $DENSE)
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt" "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  ;;
+s8b)
+  # Session 8, call 2 (nvidia-h200-x2), version 16: the launch settings of the TF32x3 training kernels.
+  # GPU 0: the training sweep at B4_T2048_H16_D128 (backward state pass, intra, state pass variants);
+  # GPU 1: at B8_T2048_H32_D256 (the serial passes' V columns, intra at 4 warps).
+  export KDA_TRITON_EXPERIMENTAL=1
+  ( export CUDA_VISIBLE_DEVICES=1
+    train_sweep 15 B8_T2048_H32_D256 train-sweep-d256.txt 0 14 15 16 17 18 ) &
+  export CUDA_VISIBLE_DEVICES=0
+  train_sweep 15 B4_T2048_H16_D128 train-sweep.txt 0 18 23 24 9 10 19 20 21 22 25 26
+  wait
+  cat "$W/train-sweep.txt" "$W/train-sweep-d256.txt"
   ;;
 next8a)
   export KDA_TRITON_EXPERIMENTAL=1

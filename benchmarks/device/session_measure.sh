@@ -70,6 +70,9 @@
 #           the forward bench with --tune at the six dense shapes and the K = 256 training bench (GPU 0)
 #   s8b     (nvidia-h200-x2) session 8, call 2: the TF32x3 training kernels' launch settings, swept at
 #           B4_T2048_H16_D128 (GPU 0) and B8_T2048_H32_D256 (GPU 1)
+#   next9a  (nvidia-h200-x2) for session 9, version 18: the K = 256 training bench beside FLA and the
+#           backward state pass at 8 warps there (GPU 1); the pre-gated training bench and the varlen
+#           forward bench (GPU 0)
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
 #   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
@@ -527,6 +530,26 @@ s7e)
   bench 5 bench-train --backend baseline:fla --backend triton --mode train_safe --mode train_pregated \
     $(shape_args B4_T2048_H16_D128) --rounds 2
   cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
+  ;;
+next9a)
+  # For session 9 (nvidia-h200-x2), what session 8 left unmeasured of version 18. GPU 1: the K = 256
+  # training bench with FLA in the same process (FLA's first call there takes about 80 s), then the
+  # backward state pass at 8 warps at K = 256 (12.3 ms against 17.7 in session 8: a candidate for
+  # version 19). GPU 0: the bench classes, the pre-gated training bench at B4_T2048_H16_D128 (cut off in
+  # session 8), the varlen forward bench.
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 420 6 verify-d256 $(for key in $(python3 -m kda.verify --list-cases | grep d256); do printf -- '--case %s ' "$key"; done)
+    bench 90 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
+      $(shape_args B8_T2048_H32_D256)
+    train_sweep 10 B8_T2048_H32_D256 train-sweep-d256.txt 0 9 ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 420 10 verify-bench $(bench_case_args)
+  bench 250 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode train_pregated --mode train_safe $(shape_args B4_T2048_H16_D128)
+  bench 20 bench-fwd-varlen --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
+    $(shape_args $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"))
+  wrap_up "$W/verify-d256.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;
 s8d)
   # Session 8, call 4 (nvidia-h200-x2), version 18 (version 17 with the backward state pass at 8 warps, and

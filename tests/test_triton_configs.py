@@ -48,3 +48,36 @@ def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch,
     assert chosen and all(getattr(c, name) == value for c in chosen for name, value in change.items())
     if "intra_block_w" in change:
         assert all(configs.intra_block_w(c, 32, 64) == 16 for c in chosen)
+
+
+def test_training_launch_settings_leave_the_gradients_alone(seed, interpreter, monkeypatch):  # noqa: F811
+    """Training's own intra setting (w/u by 16 columns, as shipped for sm90 since version 17, where the CPU's
+    default configuration keeps 32) and the backward state pass by 16 V columns, on a training case: every
+    gradient against the float64 reference."""
+    from kda.backends.triton import configs, forward
+
+    change = {"training_intra_block_w": 16, "backward_state_block_v": 16}
+    chosen = []
+
+    def patched(capability_major, K, V):
+        config = dataclasses.replace(configs.launch_config(capability_major, K, V), **change)
+        chosen.append(config)
+        return config
+
+    monkeypatch.setattr(forward, "launch_config", patched)
+    cc = case_class(**CASES["softplus-l2-varlen-gva"], chunk_size=32, training=True)
+    result = run_case(interpreter, small_case(cc, "extreme", K=32, V=48, seed=seed), "cpu")
+    assert result.passed, (result.reason, result.errors)
+    assert chosen and all(configs.intra_block_w(c, 32, 64, training=True) == 16 for c in chosen)
+
+
+def test_training_takes_its_own_intra_columns_on_sm90():
+    """The shipped sm90 table: training's intra by 16 w/u columns (TF32x3 products paid for narrower steps
+    on the H200), inference by 32; where no training setting is given, training follows inference."""
+    from kda.backends.triton import configs
+
+    sm90 = configs.launch_config(9, 128, 128)
+    assert configs.intra_block_w(sm90, 128, 128, training=True) == 16
+    assert configs.intra_block_w(sm90, 128, 128) == 32
+    other = configs.launch_config(None, 128, 128)
+    assert configs.intra_block_w(other, 128, 128, training=True) == configs.intra_block_w(other, 128, 128) == 32

@@ -171,6 +171,34 @@ def test_cli_end_to_end_on_the_cpu(seed, tmp_path, capsys):
     assert cli.main(["--shape", "B1_T20", "--out", str(out)]) == 2
 
 
+def test_rows_are_on_disk_as_each_finishes(seed, tmp_path, monkeypatch):
+    """A bench killed where no handler runs (SIGKILL, or SIGTERM while it compiles: in session 8 a forward
+    bench cut off by its deadline lost every row that way) leaves the rows it finished: results.json and
+    results.md are rewritten after each row, marked partial; the final write drops the mark."""
+    out = tmp_path / "bench"
+    on_disk: list[int] = []
+    real_run = cli.run
+
+    def watched_run(config, on_row):
+        def spy(row):
+            on_row(row)
+            data = json.loads((out / "results.json").read_text())
+            on_disk.append(len(data["rows"]))
+            assert data["settings"]["partial"] == f"{len(data['rows'])} of 4 rows"
+            assert "Partial:" in (out / "results.md").read_text()
+
+        return real_run(config, on_row=spy)
+
+    monkeypatch.setattr(cli, "run", watched_run)
+    code = cli.main(["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--mode", "train_pregated", "--backend", "torch",
+                     "--backend", "auto", "--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1", "--rounds", "1",
+                     "--out", str(out)])
+    assert code == 0 and on_disk == [1, 2, 3, 4]
+    final = json.loads((out / "results.json").read_text())
+    assert len(final["rows"]) == 4 and "partial" not in final["settings"]
+    assert "Partial:" not in (out / "results.md").read_text() and not list(out.glob("*.part"))
+
+
 def test_tune_names_the_backends_it_leaves_untimed(seed, tmp_path, capsys):
     """`auto` ranks by speed only the backends timed together; a --tune run that leaves an available backend
     out says so (on the H200, timing `baseline:fla` without the kda `fla` backend left auto on triton at

@@ -10,6 +10,8 @@
 Writes ``results.json``, ``results.md`` and ``pct_fla.png`` under ``benchmarks/results/<gpu>/<date>/``
 (or ``--out``) and prints a table. Exit status 0 when every row that ran succeeded, 1 when a row failed
 or the run was interrupted (SIGTERM or Ctrl-C: the rows finished so far are still written, marked so).
+``results.json`` and ``results.md`` are also rewritten as each row finishes, so that a run killed where
+no handler runs (SIGKILL, or SIGTERM during a long compile) leaves its finished rows.
 
 ``--jobs N`` keeps shapes that share compile-time constants (heads, head dim, varlen) in one process, so
 that a JIT backend compiles and tunes each set once, and balances those groups over the processes.
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,17 +144,26 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     total = len(shapes) * len(modes)
     rows: list[Row] = []
+    out_dir = args.out or results.default_out_dir(device)
+    header = results.payload([], device, settings)
+    expected_rows = total * len(backends)
+
+    def save_so_far() -> None:  # after every row: what a kill from outside leaves (see results.write_so_far)
+        finished = sorted(rows, key=_row_order(config))
+        results.write_so_far({**header, "rows": [r.as_json() for r in finished]}, out_dir, expected_rows)
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err) as progress:
         task = progress.add_task("bench", total=total)
         try:
             if args.jobs > 1:
-                _run_jobs(args, config, progress, task, rows)
+                _run_jobs(args, config, progress, task, rows, save_so_far)
             else:
                 done: set[tuple[str, str]] = set()
 
                 def on_row(row: Row) -> None:
                     rows.append(row)
+                    save_so_far()
                     if not err.is_terminal:  # no live bar in a log: one line per row instead
                         err.print(f"{row.shape} {row.mode} {row.backend}: {row.status} {row.median_ms} ms "
                                   f"cold={row.cold_start_s} {(row.reason or '')[:160]}", highlight=False)
@@ -166,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.sort(key=_row_order(config))
 
     data = results.payload(rows, device, settings)
-    out_dir = args.out or results.default_out_dir(device)
     paths = results.write(data, out_dir)
     out.print(results.terminal_table(data))
     out.print(f"wrote {', '.join(str(p) for p in paths.values())}")
@@ -228,9 +239,10 @@ def _merge(paths: list[Path], out_dir: Path | None, out: Console, err: Console) 
     return 0
 
 
-def _run_jobs(args: argparse.Namespace, config: BenchConfig, progress: Progress, task, rows: list[Row]) -> None:
+def _run_jobs(args: argparse.Namespace, config: BenchConfig, progress: Progress, task, rows: list[Row],
+              save_so_far: Callable[[], None]) -> None:
     """Spread shapes over `args.jobs` worker processes, each on its own GPU (round robin); rows arrive
-    in `rows` as the workers finish them."""
+    in `rows` as the workers finish them (and `save_so_far` writes them)."""
     gpus = torch.cuda.device_count() if config.device.type == "cuda" else 0
     shares = compile_groups(config.shapes, args.jobs)
     lock = threading.Lock()
@@ -256,6 +268,7 @@ def _run_jobs(args: argparse.Namespace, config: BenchConfig, progress: Progress,
                 row = Row(**json.loads(line[4:]))
                 with lock:
                     rows.append(row)
+                    save_so_far()
                     if (row.shape, row.mode) not in seen:
                         seen.add((row.shape, row.mode))
                         progress.update(task, advance=1, description=f"{row.shape} {row.mode}")

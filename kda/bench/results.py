@@ -173,6 +173,25 @@ def chart(data: dict[str, Any], path: Path) -> str | None:
     return None
 
 
+def write_so_far(data: dict[str, Any], out_dir: Path, expected_rows: int) -> dict[str, Path]:
+    """``results.json`` and ``results.md`` with the rows finished so far, rewritten as each row finishes
+    (no chart: that is drawn once, by `write`, when the run ends). A run killed from outside, where no
+    handler gets to run (SIGKILL, or SIGTERM while the process sits in a long compile), leaves these.
+    Each file is written beside its place and renamed into it, so a kill leaves the old file or the new
+    one, never half of one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {**data, "settings": {**data["settings"], "partial": f"{len(data['rows'])} of {expected_rows} rows"}}
+    paths = {"json": out_dir / "results.json", "md": out_dir / "results.md"}
+    texts = {"json": json.dumps(data, indent=1) + "\n",
+             "md": markdown(data) + f"\nPartial: {len(data['rows'])} of {expected_rows} rows; the run did not "
+                                    "finish (or is still running).\n"}
+    for kind, path in paths.items():
+        scratch = path.with_name(path.name + ".part")
+        scratch.write_text(texts[kind])
+        scratch.replace(path)
+    return paths
+
+
 def write(data: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "md": out_dir / "results.md", "png": out_dir / "pct_fla.png"}

@@ -71,8 +71,8 @@
 #   s8b     (nvidia-h200-x2) session 8, call 2: the TF32x3 training kernels' launch settings, swept at
 #           B4_T2048_H16_D128 (GPU 0) and B8_T2048_H32_D256 (GPU 1)
 #   next9a  (nvidia-h200-x2) for session 9, version 18: the K = 256 training bench beside FLA and the
-#           backward state pass at 8 warps there (GPU 1); the pre-gated training bench and the varlen
-#           forward bench (GPU 0)
+#           backward state pass at 8 warps there (GPU 1); the pre-gated training bench, the varlen
+#           forward bench, the hardest random training cases through FLA and ours (GPU 0)
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
 #   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
@@ -546,9 +546,13 @@ next9a)
   verify_triton 420 10 verify-bench $(bench_case_args)
   bench 250 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \
     --mode train_pregated --mode train_safe $(shape_args B4_T2048_H16_D128)
-  bench 20 bench-fwd-varlen --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
+  bench 80 bench-fwd-varlen --tune --backend baseline:fla --backend fla --backend triton --backend auto --mode fwd \
     $(shape_args $(python3 -c "from kda.bench.shapes import VARLEN_SHAPES; print(' '.join(VARLEN_SHAPES))"))
+  # the four hardest random half-precision training cases of session 8, through FLA and ours on the GPU
+  timeout "$(left 10)" python3 benchmarks/training_precision.py 12 56 --only 14,25,31,55 --gpu \
+    --backend triton --backend fla > "$W/hard-cases.txt" 2>&1
   wrap_up "$W/verify-d256.txt" "$W/verify-bench.txt"
+  cat "$W/hard-cases.txt"
   cat "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;
 s8d)

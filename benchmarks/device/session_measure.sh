@@ -70,8 +70,8 @@
 #           the forward bench with --tune at the six dense shapes and the K = 256 training bench (GPU 0)
 #   s8b     (nvidia-h200-x2) session 8, call 2: the TF32x3 training kernels' launch settings, swept at
 #           B4_T2048_H16_D128 (GPU 0) and B8_T2048_H32_D256 (GPU 1)
-#   next9a  (nvidia-h200-x2) for session 9, version 18: the K = 256 training bench beside FLA and the
-#           backward state pass at 8 warps there (GPU 1); the pre-gated training bench, the varlen
+#   next9a  (nvidia-h200-x2) for session 9, version 18: the K = 256 training bench beside FLA, the
+#           backward state pass at 8 warps and training's intra settings there (GPU 1); the pre-gated training bench, the varlen
 #           forward bench, the hardest random training cases through FLA and ours (GPU 0)
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
@@ -541,7 +541,7 @@ next9a)
     verify_triton 420 6 verify-d256 $(for key in $(python3 -m kda.verify --list-cases | grep d256); do printf -- '--case %s ' "$key"; done)
     bench 90 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
       $(shape_args B8_T2048_H32_D256)
-    train_sweep 10 B8_T2048_H32_D256 train-sweep-d256.txt 0 9 ) &
+    train_sweep 10 B8_T2048_H32_D256 train-sweep-d256.txt 0 9 31 32 33 ) &
   export CUDA_VISIBLE_DEVICES=0
   verify_triton 420 10 verify-bench $(bench_case_args)
   bench 250 bench-train --tune --backend baseline:fla --backend fla --backend triton --backend auto \

@@ -26,10 +26,9 @@ CASES = {"softplus-l2-varlen-gva": dict(gate=GateMode.SOFTPLUS, beta="sigmoid2",
          "pregated-no-l2": dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given")}
 
 
-@pytest.mark.parametrize("change, case", [(c, "softplus-l2-varlen-gva") for c in VARIANTS]
-                         + [({"intra_block_k": 8}, "pregated-no-l2")],
-                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else x)
-def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch, change, case):  # noqa: F811
+def _launch_with(monkeypatch, change: dict) -> list:
+    """Make the forward (and the backward, which takes the forward's) launch with the shipped configuration
+    so changed; returns the list of the configurations it chose, filled as calls are made."""
     from kda.backends.triton import configs, forward
 
     chosen = []
@@ -40,6 +39,16 @@ def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch,
         return config
 
     monkeypatch.setattr(forward, "launch_config", patched)
+    return chosen
+
+
+@pytest.mark.parametrize("change, case", [(c, "softplus-l2-varlen-gva") for c in VARIANTS]
+                         + [({"intra_block_k": 8}, "pregated-no-l2")],
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else x)
+def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch, change, case):  # noqa: F811
+    from kda.backends.triton import configs
+
+    chosen = _launch_with(monkeypatch, change)
     cc = case_class(**CASES[case], chunk_size=32)
     # K = 32, V = 48 (padded to 64): BW = 16 splits both into several column blocks, the last one ragged;
     # intra_block_k = 8 sums the score products over 4 steps.
@@ -54,17 +63,10 @@ def test_training_launch_settings_leave_the_gradients_alone(seed, interpreter, m
     """Training's own intra setting (w/u by 16 columns, as shipped for sm90 since version 17, where the CPU's
     default configuration keeps 32) and the backward state pass by 16 V columns, on a training case: every
     gradient against the float64 reference."""
-    from kda.backends.triton import configs, forward
+    from kda.backends.triton import configs
 
     change = {"training_intra_block_w": 16, "backward_state_block_v": 16}
-    chosen = []
-
-    def patched(capability_major, K, V):
-        config = dataclasses.replace(configs.launch_config(capability_major, K, V), **change)
-        chosen.append(config)
-        return config
-
-    monkeypatch.setattr(forward, "launch_config", patched)
+    chosen = _launch_with(monkeypatch, change)
     cc = case_class(**CASES["softplus-l2-varlen-gva"], chunk_size=32, training=True)
     result = run_case(interpreter, small_case(cc, "extreme", K=32, V=48, seed=seed), "cpu")
     assert result.passed, (result.reason, result.errors)

@@ -470,8 +470,8 @@ def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
     """Drawn by the random cases in session 7 (fp16 training, softplus gate, realistic regime): with intra and
     the backward state pass in TF32 (versions 12 to 15) dA_log came out 1.85e-2 off (tolerance 1e-2), every
     other gradient within 9e-4; 3 of 60 random bf16/fp16 training cases drawn alike failed the same way.
-    With every kernel but the output in TF32x3 (version 16) it is 4e-5 off; with the backward state pass in
-    rounded TF32 (version 17, `storage`) 2.3e-3."""
+    With every kernel but the output in TF32x3 (versions 16 and 19) it is 4e-5 off (2.3e-3 in versions 17
+    and 18, with the backward state pass in rounded TF32)."""
     from kda.backends.triton import storage
 
     cc = case_class(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="given", dtype="float16", initial_state=False,
@@ -479,7 +479,7 @@ def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
     case = VerificationCase(cc, "realistic", 1, 1, 1, 4, 4, (14,), "float32", seed=1)
     result = run_case(interpreter, case, "cpu")
     assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 4e-3, result.errors
+    assert result.errors["dA_log"] < 1e-3, result.errors
     for kernel in ("INTRA", "BACKWARD_STATE"):
         monkeypatch.setattr(storage, f"TRAINING_{kernel}", "tf32")
     kda.registry._reset_for_tests()
@@ -487,20 +487,38 @@ def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
     assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
 
 
-def test_bf16_training_dA_log_with_rounded_tf32_in_the_backward_state_pass(interpreter, monkeypatch):
-    """Drawn by the random training cases (session 8; a short varlen batch, extreme gates). The backward's
-    serial pass multiplies in one TF32 product of operands rounded to TF32 (`storage.TF32_ROUNDED`, version
-    17), for half of TF32x3's time there: dA_log 1.8e-3 off the float64 reference (tolerance 1e-2). In
-    plain TF32, whose operands the tensor cores truncate, it fails on dA_log (1.24e-2)."""
+def test_bf16_training_dA_log_with_tf32_in_the_backward_state_pass(interpreter, monkeypatch):
+    """Drawn by session 8's random training cases (a short varlen batch, extreme gates): with the backward's
+    serial pass in TF32, whose operands the tensor cores truncate, dA_log fails (1.24e-2 off the float64
+    reference, tolerance 1e-2); in TF32x3, as shipped, 4e-5."""
     from kda.backends.triton import storage
 
-    assert storage.TRAINING_BACKWARD_STATE == storage.TF32_ROUNDED
     case = VerificationCase(CaseClass.from_key("safe/qk/sig2/bf16/varlen/mha/h0+ht/c64/d64/train"), "extreme",
                             1, 1, 1, 25, 8, (36, 6), "bfloat16", seed=1338461651)
     result = run_case(interpreter, case, "cpu")
     assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 4e-3, result.errors
+    assert result.errors["dA_log"] < 1e-3, result.errors
     monkeypatch.setattr(storage, "TRAINING_BACKWARD_STATE", "tf32")
+    kda.registry._reset_for_tests()
+    result = run_case(kda.get_backend("triton"), case, "cpu")
+    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+
+
+def test_half_training_dA_log_with_rounded_tf32_in_the_backward_state_pass(interpreter, monkeypatch):
+    """Drawn by CI's random cases against version 18 (fp16 training, softplus gate, varlen, K = 4): with the
+    backward's serial pass in rounded TF32 (`storage.TF32_ROUNDED`: operands rounded to TF32, then one TF32
+    product; versions 17 and 18 shipped it) dA_log came out 1.0015e-2 off (tolerance 1e-2); in truncated
+    TF32 6.8e-3. Rounding made the operands' error unbiased, not small enough. In TF32x3, as shipped again
+    since version 19, 1.2e-4."""
+    from kda.backends.triton import storage
+
+    cc = case_class(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="given", dtype="float16", varlen=True,
+                    initial_state=False, final_state=False, chunk_size=32, training=True)
+    case = VerificationCase(cc, "realistic", 1, 1, 1, 4, 39, (56, 52), "float32", seed=306)
+    result = run_case(interpreter, case, "cpu")
+    assert result.passed, (result.reason, result.errors)
+    assert result.errors["dA_log"] < 1e-3, result.errors
+    monkeypatch.setattr(storage, "TRAINING_BACKWARD_STATE", storage.TF32_ROUNDED)
     kda.registry._reset_for_tests()
     result = run_case(kda.get_backend("triton"), case, "cpu")
     assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)

@@ -70,9 +70,9 @@
 #           the forward bench with --tune at the six dense shapes and the K = 256 training bench (GPU 0)
 #   s8b     (nvidia-h200-x2) session 8, call 2: the TF32x3 training kernels' launch settings, swept at
 #           B4_T2048_H16_D128 (GPU 0) and B8_T2048_H32_D256 (GPU 1)
-#   next9a  (nvidia-h200-x2) for session 9, version 18: the K = 256 training bench beside FLA, the
-#           backward state pass at 8 warps and training's intra settings there (GPU 1); the pre-gated training bench, the varlen
-#           forward bench, the hardest random training cases through FLA and ours (GPU 0)
+#   next9a  (nvidia-h200-x2) for session 9, version 19: the grid, the K = 256 training bench beside FLA
+#           and sweep (GPU 1); the bench classes, the training bench, the varlen forward bench, the
+#           hardest random training cases through FLA and ours (GPU 0)
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
 #   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
@@ -532,13 +532,13 @@ s7e)
   cat "$W"/bench-train/results.md 2>/dev/null | grep "^|"
   ;;
 next9a)
-  # For session 9 (nvidia-h200-x2), what session 8 left unmeasured of version 18. GPU 1: the K = 256
-  # training bench with FLA in the same process (FLA's first call there takes about 80 s), then the
-  # backward state pass at 8 warps at K = 256 (12.3 ms against 17.7 in session 8: a candidate for
-  # version 19). GPU 0: the bench classes, the pre-gated training bench at B4_T2048_H16_D128 (cut off in
-  # session 8), the varlen forward bench.
+  # For session 9 (nvidia-h200-x2), version 19 (version 18 with the backward state pass back in TF32x3),
+  # which has not run on the H200. GPU 1: the whole grid, then the K = 256 training bench with FLA in the
+  # same process (FLA's first call there takes about 80 s) and the K = 256 training sweep (that pass at 8
+  # warps; training's intra settings). GPU 0: the bench classes, the training bench in both gate modes, the
+  # varlen forward bench, the hardest random training cases through FLA and ours.
   ( export CUDA_VISIBLE_DEVICES=1
-    verify_triton 420 6 verify-d256 $(for key in $(python3 -m kda.verify --list-cases | grep d256); do printf -- '--case %s ' "$key"; done)
+    verify_triton 300 12 verify-grid
     bench 90 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
       $(shape_args B8_T2048_H32_D256)
     train_sweep 10 B8_T2048_H32_D256 train-sweep-d256.txt 0 9 31 32 33 ) &
@@ -551,7 +551,7 @@ next9a)
   # the four hardest random half-precision training cases of session 8, through FLA and ours on the GPU
   timeout "$(left 10)" python3 benchmarks/training_precision.py 12 56 --only 14,25,31,55 --gpu \
     --backend triton --backend fla > "$W/hard-cases.txt" 2>&1
-  wrap_up "$W/verify-d256.txt" "$W/verify-bench.txt"
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/hard-cases.txt"
   cat "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;

@@ -92,7 +92,11 @@ class LaunchConfig:
 # 0.63 against 0.57. Version 17 (session8/call3-v17; the backward state pass in rounded TF32) swept again:
 # that pass at 8 warps 0.40 ms against 0.59 at 4 (taken in version 18), 32 V columns 0.59; at K = 256
 # (B8_T2048_H32_D256) 32 V columns 17.7 ms against 21.5 at 64 (taken in version 18; 8 warps not yet tried
-# there); training's intra by 32 w/u columns 0.87 against 0.76 at 16, at 4 warps 0.88.
+# there); training's intra by 32 w/u columns 0.87 against 0.76 at 16, at 4 warps 0.88. Version 19 is back to
+# TF32x3 in that pass (`storage`) and keeps both settings, which its TF32x3 sweep above also favoured: 8
+# warps 0.93 ms against 1.02, and at K = 256 32 V columns 68.7 ms against 117 at 16 (64 does not fit;
+# 32 needs 208 KB, compiled here with Triton 3.6, and ran on the H200 in that sweep). Version 19 as a whole
+# has not run on the H200.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
     9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64, training_intra_block_w=16, backward_state_warps=8),

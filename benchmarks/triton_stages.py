@@ -182,6 +182,11 @@ TRAIN_SWEEP = [
     {"training_intra_block_w": 16},
     {"intra_block_k": 64},
     {"intra_block_k": 128},
+    # version 20 (training's intra in K steps of 64 above K = 128, `training_intra_block_k`): the steps at
+    # K = 256 against one whole step, and the same setting at K = 128 (B4_T2048_H16_D128)
+    {"training_intra_block_k": 256},
+    {"training_intra_block_k": 64},
+    {"training_intra_block_k": 32},
 ]
 
 

@@ -60,17 +60,20 @@ def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch,
 
 
 def test_training_launch_settings_leave_the_gradients_alone(seed, interpreter, monkeypatch):  # noqa: F811
-    """Training's own intra setting (w/u by 16 columns, as shipped for sm90 since version 17, where the CPU's
-    default configuration keeps 32) and the backward state pass by 16 V columns, on a training case: every
-    gradient against the float64 reference."""
+    """Training's own intra settings (w/u by 16 columns, as shipped for sm90 since version 17, where the CPU's
+    default configuration keeps 32; the score products in K steps, as shipped above K = 128 since version 20)
+    and the backward state pass by 16 V columns, on a training case: every gradient against the float64
+    reference."""
     from kda.backends.triton import configs
 
-    change = {"training_intra_block_w": 16, "backward_state_block_v": 16}
+    change = {"training_intra_block_w": 16, "training_intra_block_k": 8, "backward_state_block_v": 16}
     chosen = _launch_with(monkeypatch, change)
     cc = case_class(**CASES["softplus-l2-varlen-gva"], chunk_size=32, training=True)
     result = run_case(interpreter, small_case(cc, "extreme", K=32, V=48, seed=seed), "cpu")
     assert result.passed, (result.reason, result.errors)
     assert chosen and all(configs.intra_block_w(c, 32, 64, training=True) == 16 for c in chosen)
+    assert all(configs.intra_block_k(c, 32, training=True) == 8 and configs.intra_block_k(c, 32) == 32
+               for c in chosen)
 
 
 def test_training_takes_its_own_intra_columns_on_sm90():
@@ -83,3 +86,15 @@ def test_training_takes_its_own_intra_columns_on_sm90():
     assert configs.intra_block_w(sm90, 128, 128) == 32
     other = configs.launch_config(None, 128, 128)
     assert configs.intra_block_w(other, 128, 128, training=True) == configs.intra_block_w(other, 128, 128) == 32
+
+
+def test_training_steps_over_k_above_128_on_sm90():
+    """The shipped sm90 table: above K = 128 training's intra sums its score products in K steps of 64 (its
+    TF32x3 tiles, session 9), inference in one step; at K <= 128 both in one step."""
+    from kda.backends.triton import configs
+
+    large, small = configs.launch_config(9, 256, 256), configs.launch_config(9, 128, 128)
+    assert configs.intra_block_k(large, 256, training=True) == 64
+    assert configs.intra_block_k(large, 256) == 256
+    assert configs.intra_block_k(small, 128, training=True) == configs.intra_block_k(small, 128) == 128
+    assert large.backward_state_warps == 8

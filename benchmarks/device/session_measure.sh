@@ -73,6 +73,10 @@
 #   next9a  (nvidia-h200-x2) for session 9, version 19: the grid, the K = 256 training bench beside FLA
 #           and sweep (GPU 1); the bench classes, the training bench, the varlen forward bench, the
 #           hardest random training cases through FLA and ours (GPU 0)
+#   s9b     (nvidia-h200-x2) session 9, call 2, version 20 (training at K > 128: the backward state pass at 8
+#           warps, intra's scores in K steps of 64): the grid, the K = 256 training bench and sweep, inference's
+#           intra in K steps at K = 256 (GPU 1); the bench classes, the training bench at the six dense shapes,
+#           training's intra in K steps at K = 128 (GPU 0)
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
 #   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
@@ -554,6 +558,29 @@ next9a)
   wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/hard-cases.txt"
   cat "$W/train-sweep-d256.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  ;;
+s9b)
+  # Session 9, call 2 (nvidia-h200-x2), version 20: version 19 (verified in call 1) with, above K = 128, the
+  # backward state pass at 8 warps and training's intra summing its scores in K steps of 64 (call 1's
+  # K = 256 sweep: 20.9 ms against 66.9, 6.1 against 15.6). GPU 1: the grid, the K = 256 training bench with
+  # FLA, the K = 256 training sweep (one whole K step for comparison), inference's intra in K steps there.
+  # GPU 0: the bench classes, the training bench at B4_T2048_H16_D128 (train_safe; call 1 reached only
+  # train_pregated) and at the other dense shapes beside FLA, training's intra in K steps at K = 128.
+  ( export CUDA_VISIBLE_DEVICES=1
+    verify_triton 300 12 verify-grid
+    bench 120 bench-train-d256 --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
+      $(shape_args B8_T2048_H32_D256)
+    train_sweep 60 B8_T2048_H32_D256 train-sweep-d256.txt 0 34
+    SWEEP_ONLY="'intra_block_k': 64" stages 10 --sweep B8_T2048_H32_D256 ) &
+  export CUDA_VISIBLE_DEVICES=0
+  verify_triton 420 10 verify-bench $(bench_case_args)
+  bench 300 bench-train --tune --backend baseline:fla --backend triton --backend auto --mode train_safe \
+    $(shape_args B4_T2048_H16_D128)
+  train_sweep 220 B4_T2048_H16_D128 train-sweep.txt 0 35 36
+  bench 10 bench-train-dense --cold-start none --backend baseline:fla --backend triton --mode train_safe \
+    $(shape_args B1_T8192_H96_D128 B4_T4096_H64_D128 B2_T16384_H16_D128 B8_T1024_H8_D64)
+  wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
+  cat "$W/train-sweep.txt" "$W/train-sweep-d256.txt" "$W/sweep.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;
 s8d)
   # Session 8, call 4 (nvidia-h200-x2), version 18 (version 17 with the backward state pass at 8 warps, and

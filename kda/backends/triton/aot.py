@@ -39,7 +39,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
     from triton.compiler import ASTSource, compile
 
     from kda.backends.triton.backward import bwd_chunk_kernel, bwd_state_kernel
-    from kda.backends.triton.configs import intra_block_w, launch_config
+    from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
     from kda.backends.triton.gate import SAFE, gate_cumsum_kernel
     from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
     from kda.backends.triton.output import output_kernel
@@ -76,7 +76,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
                          "chunk_seq_ends": i32},
                         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all,
                          "BKC": min(BK, 32), "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all),
-                         "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
+                         "BKS": intra_block_k(config, BK),
                          "DOT_PRECISION": "tf32", "SAVE": False, "ROUND": False,
                          "STORED_OPERANDS": config.intra_half_products, "PHASES": 3},
                         config.intra_warps, config.intra_stages),
@@ -101,7 +101,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
          "u": f32, "k_g": f32, "chunk_starts": i32, "chunk_seq_ends": i32},
         {**heads, "L2": True, "SIGMOID": True, "TWO": False, "BT": C, "BK": BK, "BV": BV_all, "BKC": min(BK, 32),
          "BC": SUB_CHUNK, "BW": intra_block_w(config, BK, BV_all, training=True),
-         "BKS": BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
+         "BKS": intra_block_k(config, BK, training=True),
          "DOT_PRECISION": TRAINING_INTRA, "SAVE": True, "ROUND": False, "STORED_OPERANDS": False, "PHASES": 3},
         config.intra_warps, config.intra_stages)
     needs["state_train"] = shared(

@@ -34,6 +34,10 @@ class LaunchConfig:
     # measured: smaller steps hold [16, K/steps] tiles instead of [16, K], for a kernel whose occupancy
     # registers limit (`benchmarks/triton_stages.py --sweep` times 64 and 32).
     intra_block_k: int = 0
+    # the same when training (0: as at inference). In TF32x3 whole [16, 256] score tiles cost three times the
+    # registers' worth of splits; at K = 256 steps of 64 paid (session 9, B8_T2048_H32_D256: training's intra
+    # 6.13 ms against 15.62 in one step; 128: 6.67)
+    training_intra_block_k: int = 0
     gate_warps: int = 4
     # w and u from half-width products at inference (T and the rows rounded to bf16/fp16 first, as FLA's
     # recompute_w_u): measured offline on 60 random bf16 cases, error at median 0.69 of the tolerance
@@ -97,15 +101,26 @@ class LaunchConfig:
 # warps 0.93 ms against 1.02, and at K = 256 32 V columns 68.7 ms against 117 at 16 (64 does not fit;
 # 32 needs 208 KB, compiled here with Triton 3.6, and ran on the H200 in that sweep). Version 19 as a whole
 # has not run on the H200.
+# Session 9 (version 19 on the H200, session9/call1-v19/train-sweep-d256.txt, B8_T2048_H32_D256, 131.5 ms of
+# kernels): the backward state pass at 8 warps 20.9 ms against 66.9 at 4 (TF32x3, 32 V columns), training's
+# intra with the score products in K steps of 64 6.13 against 15.62 (128: 6.67), w/u by 16 columns 15.24.
+# Version 20 takes both at K > 128, for training only (inference's intra at K = 256 is not yet swept there).
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
     9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64, training_intra_block_w=16, backward_state_warps=8),
         "large": LaunchConfig(64, 4, 2, 64, 4, 1, measured=True, intra_block_w=32, intra_stages=1,
-                              gate_block_k=64, backward_state_block_v=32)},
+                              gate_block_k=64, backward_state_block_v=32, backward_state_warps=8,
+                              training_intra_block_k=64)},
 }
 # Other architectures: sm90's choices, unmeasured there.
 _DEFAULT = {"small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
             "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
+
+
+def intra_block_k(config: LaunchConfig, BK: int, training: bool = False) -> int:
+    """The intra kernel's BKS: K columns per step of its score products (the whole padded K if unset)."""
+    chosen = config.training_intra_block_k if training and config.training_intra_block_k > 0 else config.intra_block_k
+    return BK if chosen <= 0 else min(BK, chosen)
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:

@@ -18,7 +18,7 @@ import triton
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
 from kda.backends.triton.chunks import chunk_layout
-from kda.backends.triton.configs import intra_block_w, launch_config
+from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
@@ -110,7 +110,7 @@ def plan_forward(
             layout.chunk_starts, layout.chunk_seq_ends,
             H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
             BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all, save),
-            BKS=BK if config.intra_block_k <= 0 else min(BK, config.intra_block_k),
+            BKS=intra_block_k(config, BK, save),
             DOT_PRECISION=precision.intra, SAVE=save, ROUND=ROUND,
             STORED_OPERANDS=store != f32 and config.intra_half_products,
             num_warps=config.intra_warps, num_stages=config.intra_stages,

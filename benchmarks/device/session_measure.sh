@@ -77,6 +77,9 @@
 #           warps, intra's scores in K steps of 64): the grid, the K = 256 training bench and sweep, inference's
 #           intra in K steps at K = 256 (GPU 1); the bench classes, the training bench at the six dense shapes,
 #           training's intra in K steps at K = 128 (GPU 0)
+#   s9c     (nvidia-h200-x2) session 9, call 3, version 20: the training bench at the three dense shapes call 2
+#           did not reach (GPU 1); the training kernels at B1_T8192_H96_D128 and what TF32x3 costs there,
+#           kernel by kernel (GPU 0)
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
 #   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
@@ -581,6 +584,16 @@ s9b)
     $(shape_args B1_T8192_H96_D128 B4_T4096_H64_D128 B2_T16384_H16_D128 B8_T1024_H8_D64)
   wrap_up "$W/verify-grid.txt" "$W/verify-bench.txt"
   cat "$W/train-sweep.txt" "$W/train-sweep-d256.txt" "$W/sweep.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  ;;
+s9c)
+  # Session 9, call 3 (nvidia-h200-x2), version 20 as verified in call 2 (same warm machine: its records).
+  ( export CUDA_VISIBLE_DEVICES=1
+    bench 10 bench-train-dense --cold-start none --backend baseline:fla --backend triton --mode train_safe \
+      $(shape_args B8_T1024_H8_D64 B4_T4096_H64_D128 B2_T16384_H16_D128) ) &
+  export CUDA_VISIBLE_DEVICES=0
+  train_sweep 10 B1_T8192_H96_D128 train-sweep-b1.txt 0 13 12 11 8
+  wrap_up
+  cat "$W/train-sweep-b1.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;
 s8d)
   # Session 8, call 4 (nvidia-h200-x2), version 18 (version 17 with the backward state pass at 8 warps, and

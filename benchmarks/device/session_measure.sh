@@ -80,6 +80,8 @@
 #   s9c     (nvidia-h200-x2) session 9, call 3, version 20: the training bench at the three dense shapes call 2
 #           did not reach (GPU 1); the training kernels at B1_T8192_H96_D128 and what TF32x3 costs there,
 #           kernel by kernel (GPU 0)
+#   s9d     (one GPU, session 9's last device minutes) version 20: the forward and training bench with --tune
+#           at B8_T1024_H8_D64, where triton is the fastest, so that `auto` learns it and is seen to choose it
 #   s8d     (nvidia-h200-x2) session 8, call 4: version 18's grid and bench classes, training kernels and
 #           bench, the forward bench at the three dense shapes s8c did not reach
 #   s8c     (nvidia-h200-x2) session 8, call 3: version 17's grid and bench classes, the training sweep and
@@ -594,6 +596,12 @@ s9c)
   train_sweep 10 B1_T8192_H96_D128 train-sweep-b1.txt 0 13 12 11 8
   wrap_up
   cat "$W/train-sweep-b1.txt"; cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
+  ;;
+s9d)
+  # Session 9, call 4 (one GPU), version 20 (its verification records come in state.tgz from call 3).
+  bench 5 bench-auto --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    --mode fwd --mode train_safe $(shape_args B8_T1024_H8_D64)
+  cat "$W"/bench-*/results.md 2>/dev/null | grep "^|"
   ;;
 s8d)
   # Session 8, call 4 (nvidia-h200-x2), version 18 (version 17 with the backward state pass at 8 warps, and

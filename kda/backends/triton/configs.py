@@ -99,12 +99,13 @@ class LaunchConfig:
 # there); training's intra by 32 w/u columns 0.87 against 0.76 at 16, at 4 warps 0.88. Version 19 is back to
 # TF32x3 in that pass (`storage`) and keeps both settings, which its TF32x3 sweep above also favoured: 8
 # warps 0.93 ms against 1.02, and at K = 256 32 V columns 68.7 ms against 117 at 16 (64 does not fit;
-# 32 needs 208 KB, compiled here with Triton 3.6, and ran on the H200 in that sweep). Version 19 as a whole
-# has not run on the H200.
+# 32 needs 208 KB, compiled here with Triton 3.6, and ran on the H200 in that sweep).
 # Session 9 (version 19 on the H200, session9/call1-v19/train-sweep-d256.txt, B8_T2048_H32_D256, 131.5 ms of
 # kernels): the backward state pass at 8 warps 20.9 ms against 66.9 at 4 (TF32x3, 32 V columns), training's
 # intra with the score products in K steps of 64 6.13 against 15.62 (128: 6.67), w/u by 16 columns 15.24.
-# Version 20 takes both at K > 128, for training only (inference's intra at K = 256 is not yet swept there).
+# Version 20 takes both at K > 128, for training only; then (session9/call2-v20): 76.6 ms in all; inference's
+# intra at K = 256 in steps of 64 3.55 ms against 2.62 in one (sweep.txt), training's at K = 128 in steps
+# of 64 0.758 against 0.761 and of 32 0.812 (train-sweep.txt): neither taken.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
     9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
                               gate_block_k=64, training_intra_block_w=16, backward_state_warps=8),

@@ -447,23 +447,30 @@ def test_rounded_tf32_products(seed, interpreter):  # noqa: F811
     assert 1e-5 < rounded < truncated, (rounded, truncated)
 
 
+def _passes_then_fails_on_dA_log(interpreter, monkeypatch, case, bound: float, settings: dict[str, str]):  # noqa: F811
+    """``case`` passes as shipped, with ``dA_log`` under ``bound``, and fails on ``dA_log`` once the
+    `storage` training products ``settings`` names (``{"INTRA": "tf32", ...}``) are forced."""
+    from kda.backends.triton import storage
+
+    result = run_case(interpreter, case, "cpu")
+    assert result.passed, (result.reason, result.errors)
+    assert result.errors["dA_log"] < bound, result.errors
+    for kernel, precision in settings.items():
+        monkeypatch.setattr(storage, f"TRAINING_{kernel}", precision)
+    kda.registry._reset_for_tests()
+    result = run_case(kda.get_backend("triton"), case, "cpu")
+    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+
+
 def test_bf16_training_dA_log_survives_the_gpus_products(interpreter, monkeypatch):  # noqa: F811
     """A case the H200 failed in version 8 (bf16 training, dA_log 1.28e-2 > 1e-2 with every product in TF32;
     the interpreter with truncated TF32 gives 1.27e-2). Every kernel but the output now multiplies in
     TF32x3 when training (`storage`): dA_log 4.7e-5. Forced back to TF32 everywhere, the same case fails on
     dA_log alone."""
-    from kda.backends.triton import storage
-
     case = VerificationCase(CaseClass.from_key("safe/l2/sig/bf16/dense/mha/h0+ht/c32/d128/train"), "realistic",
                             2, 2, 2, 128, 128, (77, 77), "bfloat16", seed=1548069176)
-    result = run_case(interpreter, case, "cpu")
-    assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 3e-4, result.errors
-    for kernel in ("INTRA", "STATE", "BACKWARD_STATE", "BACKWARD_CHUNK"):
-        monkeypatch.setattr(storage, f"TRAINING_{kernel}", "tf32")
-    kda.registry._reset_for_tests()
-    result = run_case(kda.get_backend("triton"), case, "cpu")
-    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+    _passes_then_fails_on_dA_log(interpreter, monkeypatch, case, 3e-4,
+                                 dict.fromkeys(("INTRA", "STATE", "BACKWARD_STATE", "BACKWARD_CHUNK"), "tf32"))
 
 
 def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
@@ -472,36 +479,19 @@ def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
     other gradient within 9e-4; 3 of 60 random bf16/fp16 training cases drawn alike failed the same way.
     With every kernel but the output in TF32x3 (versions 16 and 19) it is 4e-5 off (2.3e-3 in versions 17
     and 18, with the backward state pass in rounded TF32)."""
-    from kda.backends.triton import storage
-
     cc = case_class(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="given", dtype="float16", initial_state=False,
                     final_state=True, state_v_first=True, chunk_size=32, training=True)
     case = VerificationCase(cc, "realistic", 1, 1, 1, 4, 4, (14,), "float32", seed=1)
-    result = run_case(interpreter, case, "cpu")
-    assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 1e-3, result.errors
-    for kernel in ("INTRA", "BACKWARD_STATE"):
-        monkeypatch.setattr(storage, f"TRAINING_{kernel}", "tf32")
-    kda.registry._reset_for_tests()
-    result = run_case(kda.get_backend("triton"), case, "cpu")
-    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+    _passes_then_fails_on_dA_log(interpreter, monkeypatch, case, 1e-3, {"INTRA": "tf32", "BACKWARD_STATE": "tf32"})
 
 
 def test_bf16_training_dA_log_with_tf32_in_the_backward_state_pass(interpreter, monkeypatch):
     """Drawn by session 8's random training cases (a short varlen batch, extreme gates): with the backward's
     serial pass in TF32, whose operands the tensor cores truncate, dA_log fails (1.24e-2 off the float64
     reference, tolerance 1e-2); in TF32x3, as shipped, 4e-5."""
-    from kda.backends.triton import storage
-
     case = VerificationCase(CaseClass.from_key("safe/qk/sig2/bf16/varlen/mha/h0+ht/c64/d64/train"), "extreme",
                             1, 1, 1, 25, 8, (36, 6), "bfloat16", seed=1338461651)
-    result = run_case(interpreter, case, "cpu")
-    assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 1e-3, result.errors
-    monkeypatch.setattr(storage, "TRAINING_BACKWARD_STATE", "tf32")
-    kda.registry._reset_for_tests()
-    result = run_case(kda.get_backend("triton"), case, "cpu")
-    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+    _passes_then_fails_on_dA_log(interpreter, monkeypatch, case, 1e-3, {"BACKWARD_STATE": "tf32"})
 
 
 def test_half_training_dA_log_with_rounded_tf32_in_the_backward_state_pass(interpreter, monkeypatch):
@@ -510,15 +500,7 @@ def test_half_training_dA_log_with_rounded_tf32_in_the_backward_state_pass(inter
     product; versions 17 and 18 shipped it) dA_log came out 1.0015e-2 off (tolerance 1e-2); in truncated
     TF32 6.8e-3. Rounding made the operands' error unbiased, not small enough. In TF32x3, as shipped again
     since version 19, 1.2e-4."""
-    from kda.backends.triton import storage
-
     cc = case_class(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="given", dtype="float16", varlen=True,
                     initial_state=False, final_state=False, chunk_size=32, training=True)
     case = VerificationCase(cc, "realistic", 1, 1, 1, 4, 39, (56, 52), "float32", seed=306)
-    result = run_case(interpreter, case, "cpu")
-    assert result.passed, (result.reason, result.errors)
-    assert result.errors["dA_log"] < 1e-3, result.errors
-    monkeypatch.setattr(storage, "TRAINING_BACKWARD_STATE", storage.TF32_ROUNDED)
-    kda.registry._reset_for_tests()
-    result = run_case(kda.get_backend("triton"), case, "cpu")
-    assert not result.passed and "dA_log" in result.reason, (result.reason, result.errors)
+    _passes_then_fails_on_dA_log(interpreter, monkeypatch, case, 1e-3, {"BACKWARD_STATE": triton_storage.TF32_ROUNDED})

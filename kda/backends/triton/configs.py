@@ -30,9 +30,9 @@ class LaunchConfig:
     # shared memory was short; by blocks of K it needs 40-48 KB at 1 or 2 stages, compiled for sm90).
     backward_stages: int = 2
     gate_block_k: int = 32  # K columns per program of the gate cumsum
-    # K columns per step of the intra kernel's score products (0: the whole head dim in one). Not yet
-    # measured: smaller steps hold [16, K/steps] tiles instead of [16, K], for a kernel whose occupancy
-    # registers limit (`benchmarks/triton_stages.py --sweep` times 64 and 32).
+    # K columns per step of the intra kernel's score products (0: the whole head dim in one): [16, K/steps]
+    # tiles instead of [16, K]. Slower at inference wherever measured (session 5 at K = 128, session 9 at
+    # K = 256; `benchmarks/triton_stages.py --sweep` times 64 and 32).
     intra_block_k: int = 0
     # the same when training (0: as at inference). In TF32x3 whole [16, 256] score tiles cost three times the
     # registers' worth of splits; at K = 256 steps of 64 paid (session 9, B8_T2048_H32_D256: training's intra
@@ -118,10 +118,6 @@ _DEFAULT = {"small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_s
             "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
 
 
-def intra_block_k(config: LaunchConfig, BK: int, training: bool = False) -> int:
-    """The intra kernel's BKS: K columns per step of its score products (the whole padded K if unset)."""
-    chosen = config.training_intra_block_k if training and config.training_intra_block_k > 0 else config.intra_block_k
-    return BK if chosen <= 0 else min(BK, chosen)
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:
@@ -129,8 +125,19 @@ def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:
     return _TABLE.get(capability_major or 0, _DEFAULT)[size]
 
 
+def _intra_columns(config: LaunchConfig, name: str, full: int, training: bool) -> int:
+    """``config.<name>`` (or, when training, ``config.training_<name>`` where set), capped at ``full``;
+    ``full`` where unset (0)."""
+    chosen = getattr(config, "training_" + name) if training else 0
+    chosen = chosen if chosen > 0 else getattr(config, name)
+    return full if chosen <= 0 else min(full, chosen)
+
+
 def intra_block_w(config: LaunchConfig, BK: int, BV: int, training: bool = False) -> int:
     """The intra kernel's BW: a power of two dividing both padded head dims."""
-    full = min(BK, BV)
-    chosen = config.training_intra_block_w if training and config.training_intra_block_w > 0 else config.intra_block_w
-    return full if chosen <= 0 else min(full, chosen)
+    return _intra_columns(config, "intra_block_w", min(BK, BV), training)
+
+
+def intra_block_k(config: LaunchConfig, BK: int, training: bool = False) -> int:
+    """The intra kernel's BKS: K columns per step of its score products (the whole padded K if unset)."""
+    return _intra_columns(config, "intra_block_k", BK, training)

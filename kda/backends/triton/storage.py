@@ -130,7 +130,6 @@ def operand(x, ROUND: tl.constexpr):
     return x
 
 
-
 @triton.jit
 def tf32_rounded(x):
     """``x`` (fp32) rounded to nearest TF32 (10 mantissa bits; ties away from zero, as ``cvt.rna.tf32.f32``),

@@ -56,7 +56,9 @@ def main() -> None:
                     run()
                 torch.cuda.synchronize()
                 rows = kernel_table(run, args.steps)
-                print(f"\n{shape_name} {mode_name} {backend}: {sum(us for _, _, us in rows) / 1e3:.3f} ms of kernels a call")
+                print(
+                    f"\n{shape_name} {mode_name} {backend}: {sum(us for _, _, us in rows) / 1e3:.3f} ms of kernels a call"
+                )
                 for name, count, us in rows[:30]:
                     print(f"  {us:9.1f} us  x{count:<3d} {name[:110]}")
             del inputs

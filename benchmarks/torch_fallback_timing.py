@@ -30,15 +30,24 @@ def inputs(B: int, T: int, H: int, D: int, training: bool) -> dict:
     }
     for x in t.values():
         x.requires_grad_(training)
-    return dict(**t, A_log=torch.rand(H, device=dev) * 2, dt_bias=torch.randn(H * D, device=dev),
-                use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, backend="torch")
+    return dict(
+        **t,
+        A_log=torch.rand(H, device=dev) * 2,
+        dt_bias=torch.randn(H * D, device=dev),
+        use_gate_in_kernel=True,
+        safe_gate=True,
+        lower_bound=-5.0,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        backend="torch",
+    )
 
 
 def forward_step(call: dict):
     def step():
         with torch.no_grad():
             kda.chunk_kda(**call)
+
     return step
 
 
@@ -46,6 +55,7 @@ def training_step(call: dict, do: torch.Tensor):
     def step():
         o, _ = kda.chunk_kda(**call)
         o.backward(do)
+
     return step
 
 
@@ -74,8 +84,11 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kda": kda.__version__,
-                       "rows": rows}, handle, indent=1)
+            json.dump(
+                {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kda": kda.__version__, "rows": rows},
+                handle,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -37,20 +37,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import pytest  # noqa: E402
+from tf32 import emulate_gpu_dots  # noqa: E402
 
 import kda  # noqa: E402
 from kda.backends.triton import TritonBackend, storage  # noqa: E402
 from kda.spec import CaseClass, GateMode  # noqa: E402
 from kda.verify.cases import VerificationCase  # noqa: E402
 from kda.verify.check import run_case  # noqa: E402
-from tf32 import emulate_gpu_dots  # noqa: E402
 
 X3, TF32, ROUNDED = "tf32x3", "tf32", storage.TF32_ROUNDED
 
 
 def _mix(intra: str, state: str, backward_state: str, backward_chunk: str) -> dict[str, str]:
-    return {"TRAINING_INTRA": intra, "TRAINING_STATE": state, "TRAINING_BACKWARD_STATE": backward_state,
-            "TRAINING_BACKWARD_CHUNK": backward_chunk}
+    return {
+        "TRAINING_INTRA": intra,
+        "TRAINING_STATE": state,
+        "TRAINING_BACKWARD_STATE": backward_state,
+        "TRAINING_BACKWARD_CHUNK": backward_chunk,
+    }
 
 
 # Named mixes: version 16 (all TF32x3, shipped again in version 19), version 17 (the backward state pass
@@ -73,12 +77,22 @@ def draw(rng: random.Random) -> VerificationCase:
     varlen, gva = rng.random() < 0.5, rng.random() < 0.5
     dtype = rng.choice(["float16", "bfloat16"])
     case_class = CaseClass(
-        gate=rng.choice(list(GateMode)), qk_l2norm=rng.random() < 0.5, beta=rng.choice(["given", "sigmoid", "sigmoid2"]),
-        dtype=dtype, varlen=varlen, gva=gva, initial_state=rng.random() < 0.5, final_state=rng.random() < 0.5,
-        state_v_first=rng.random() < 0.5, chunk_size=chunk, head_dim=64, training=True)
+        gate=rng.choice(list(GateMode)),
+        qk_l2norm=rng.random() < 0.5,
+        beta=rng.choice(["given", "sigmoid", "sigmoid2"]),
+        dtype=dtype,
+        varlen=varlen,
+        gva=gva,
+        initial_state=rng.random() < 0.5,
+        final_state=rng.random() < 0.5,
+        state_v_first=rng.random() < 0.5,
+        chunk_size=chunk,
+        head_dim=64,
+        training=True,
+    )
     if varlen:
         seq_lens = tuple(rng.randint(0, 2 * chunk + 3) for _ in range(rng.randint(1, 3)))
-        seq_lens = seq_lens if sum(seq_lens) else seq_lens + (1,)
+        seq_lens = seq_lens if sum(seq_lens) else (*seq_lens, 1)
         batch = 1
     else:
         batch = rng.randint(1, 2)
@@ -87,8 +101,9 @@ def draw(rng: random.Random) -> VerificationCase:
     K, V = rng.randint(4, 40), rng.randint(4, 40)
     regime = rng.choice(["realistic", "extreme"])
     g_dtype = "float32" if dtype == "float16" else dtype
-    return VerificationCase(case_class, regime, batch, 1, group, K, V, seq_lens, g_dtype,
-                            seed=rng.randint(0, 2**31 - 1))
+    return VerificationCase(
+        case_class, regime, batch, 1, group, K, V, seq_lens, g_dtype, seed=rng.randint(0, 2**31 - 1)
+    )
 
 
 def main() -> None:
@@ -112,14 +127,21 @@ def main() -> None:
     shipped = {name: getattr(storage, name) for name in MIXES["v16"]}
     rng = random.Random(args.seed)
     worst: dict[str, list[float]] = {mix: [] for mix in mixes}
-    failures = {mix: 0 for mix in mixes}
+    failures = dict.fromkeys(mixes, 0)
     try:
         for index in range(args.count):
             case = draw(rng)
             if index < args.skip or (only is not None and index not in only):
                 continue
-            row = {"index": index, "key": case.case_class.key, "regime": case.regime, "K": case.K, "V": case.V,
-                   "seq_lens": case.seq_lens, "seed": case.seed}
+            row = {
+                "index": index,
+                "key": case.case_class.key,
+                "regime": case.regime,
+                "K": case.K,
+                "V": case.V,
+                "seq_lens": case.seq_lens,
+                "seed": case.seed,
+            }
             for mix in mixes:
                 for name, value in MIXES[mix].items():
                     setattr(storage, name, value)
@@ -136,8 +158,11 @@ def main() -> None:
     for mix in mixes:
         ratios = sorted(worst[mix])
         if ratios:
-            print(f"{mix}: {failures[mix]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
-                  f"median {ratios[len(ratios) // 2]:.3f}", file=sys.stderr)
+            print(
+                f"{mix}: {failures[mix]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
+                f"median {ratios[len(ratios) // 2]:.3f}",
+                file=sys.stderr,
+            )
 
 
 def _on_the_gpu(seed: int, count: int, skip: int, only: set[int] | None, backends: list[str]) -> None:
@@ -147,13 +172,25 @@ def _on_the_gpu(seed: int, count: int, skip: int, only: set[int] | None, backend
         case = draw(rng)
         if index < skip or (only is not None and index not in only):
             continue
-        row = {"index": index, "key": case.case_class.key, "regime": case.regime, "K": case.K, "V": case.V,
-               "seq_lens": case.seq_lens, "seed": case.seed}
+        row = {
+            "index": index,
+            "key": case.case_class.key,
+            "regime": case.regime,
+            "K": case.K,
+            "V": case.V,
+            "seq_lens": case.seq_lens,
+            "seed": case.seed,
+        }
         for name in backends:
             result = run_case(kda.get_backend(name), case, "cuda")
             tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
-            row[name] = [result.passed, round(result.worst_ratio, 4), tensor, result.errors.get("dA_log"),
-                         (result.reason or "")[:120]]
+            row[name] = [
+                result.passed,
+                round(result.worst_ratio, 4),
+                tensor,
+                result.errors.get("dA_log"),
+                (result.reason or "")[:120],
+            ]
         print(json.dumps(row), flush=True)
 
 

@@ -118,7 +118,9 @@ def sweep(names: list[str]) -> None:
         shipped = launch_config(torch.cuda.get_device_capability()[0], spec.K, spec.V)
         only = os.environ.get("SWEEP_ONLY")  # e.g. "intra_warps|output": the variants whose text contains one
         for change in [c for c in SWEEP if not only or not c or any(part in str(c) for part in only.split("|"))]:
-            config = dataclasses.replace(shipped, **{key: value for key, value in change.items() if key != "intra_phases"})
+            config = dataclasses.replace(
+                shipped, **{key: value for key, value in change.items() if key != "intra_phases"}
+            )
             triton_forward_module.launch_config = lambda *_, config=config: config
             intra_kernel = triton_forward_module.intra_chunk_kernel
             if "intra_phases" in change:
@@ -219,7 +221,9 @@ def train_sweep(names: list[str]) -> None:
         index = os.environ.get("SWEEP_INDEX")  # one variant per process: a crash takes no other variant
         chosen = [TRAIN_SWEEP[int(index)]] if index else TRAIN_SWEEP
         for change in [c for c in chosen if not only or not c or any(part in str(c) for part in only.split("|"))]:
-            launch = {key: value for key, value in change.items() if not key.startswith("precision.") and key != "pairs"}
+            launch = {
+                key: value for key, value in change.items() if not key.startswith("precision.") and key != "pairs"
+            }
             config = dataclasses.replace(shipped, **launch)
             triton_forward_module.launch_config = lambda *_, config=config: config
             for key, value in change.items():
@@ -229,7 +233,7 @@ def train_sweep(names: list[str]) -> None:
             if "pairs" in change:
                 backward.bwd_chunk_kernel = _WithConstant(chunk_kernel, "PAIRS", change["pairs"])
 
-            def step() -> None:
+            def step(call=call, spec=spec, inputs=inputs) -> None:
                 stages, finish = plan_forward(call, spec)
                 for _, run in stages:
                     run()
@@ -243,7 +247,9 @@ def train_sweep(names: list[str]) -> None:
                 torch_us = sum(us for kernel, _, us in rows if kernel.startswith(("void", "Memset")))
                 shown = " ".join(f"{kernel.replace('_kernel', '')}={us / 1e3:.3f}" for kernel, us in kernels.items())
                 total = (sum(kernels.values()) + torch_us) / 1e3
-                print(f"{name} {change or 'shipped'} total={total:.3f} ms  {shown} torch={torch_us / 1e3:.3f}", flush=True)
+                print(
+                    f"{name} {change or 'shipped'} total={total:.3f} ms  {shown} torch={torch_us / 1e3:.3f}", flush=True
+                )
             except Exception as error:  # e.g. out of shared memory: report and go on
                 print(f"{name} {change}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             for attr, value in defaults.items():

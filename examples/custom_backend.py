@@ -31,12 +31,24 @@ class RecurrentFP32(kda.Backend):
 
     def forward(self, inputs: kda.KDAInputs, spec: kda.KDASpec, out=None) -> kda.ForwardResult:
         o, state = kda_reference(
-            inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, scale=spec.scale,
-            initial_state=inputs.initial_state, output_final_state=spec.output_final_state,
-            use_qk_l2norm_in_kernel=spec.use_qk_l2norm_in_kernel, use_gate_in_kernel=spec.use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=spec.use_beta_sigmoid_in_kernel, allow_neg_eigval=spec.allow_neg_eigval,
-            safe_gate=spec.safe_gate, lower_bound=spec.lower_bound, state_v_first=spec.state_v_first,
-            cu_seqlens=inputs.cu_seqlens, A_log=inputs.A_log, dt_bias=inputs.dt_bias,
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            inputs.g,
+            inputs.beta,
+            scale=spec.scale,
+            initial_state=inputs.initial_state,
+            output_final_state=spec.output_final_state,
+            use_qk_l2norm_in_kernel=spec.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=spec.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=spec.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=spec.allow_neg_eigval,
+            safe_gate=spec.safe_gate,
+            lower_bound=spec.lower_bound,
+            state_v_first=spec.state_v_first,
+            cu_seqlens=inputs.cu_seqlens,
+            A_log=inputs.A_log,
+            dt_bias=inputs.dt_bias,
             compute_dtype=torch.float32,
         )
         return kda.ForwardResult(o.to(spec.dtype), state)

@@ -1,6 +1,6 @@
 """Quickstart: one KDA layer's attention on the CPU, forward and backward, and why that backend ran.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 import logging
@@ -21,9 +21,13 @@ A_log = torch.log(torch.empty(H).uniform_(1, 16)).requires_grad_()
 dt_bias = torch.randn(H * K, requires_grad=True)
 
 call = dict(
-    A_log=A_log, dt_bias=dt_bias,
-    use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+    A_log=A_log,
+    dt_bias=dt_bias,
+    use_gate_in_kernel=True,
+    safe_gate=True,
+    lower_bound=-5.0,
+    use_qk_l2norm_in_kernel=True,
+    use_beta_sigmoid_in_kernel=True,
     output_final_state=True,
 )
 
@@ -36,8 +40,14 @@ print("ran:", [(r.backend, r.phase) for r in routes])
 print(kda.explain(q, k, v, g, beta, **call))
 
 # The same call against the float64 reference, the ground truth every backend is verified against.
-o_ref, _ = kda.kda_reference(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
-                             **{n: (x.detach() if torch.is_tensor(x) else x) for n, x in call.items()})
+o_ref, _ = kda.kda_reference(
+    q.detach(),
+    k.detach(),
+    v.detach(),
+    g.detach(),
+    beta.detach(),
+    **{n: (x.detach() if torch.is_tensor(x) else x) for n, x in call.items()},
+)
 print(f"relative L2 error vs float64 reference: {(o.double() - o_ref).norm() / o_ref.norm():.2e}")
 
 # Bad input fails before any kernel runs, naming the rule.

@@ -48,9 +48,9 @@ _routes: contextvars.ContextVar[list[Route] | None] = contextvars.ContextVar("kd
 def trace_routes() -> Iterator[list[Route]]:
     """Collect a `Route` for every backend forward and backward run inside the block.
 
-        with kda.trace_routes() as routes:
-            o, _ = kda.chunk_kda(q, k, v, g, beta)
-        assert routes[0].backend == "torch"
+    with kda.trace_routes() as routes:
+        o, _ = kda.chunk_kda(q, k, v, g, beta)
+    assert routes[0].backend == "torch"
     """
     routes: list[Route] = []
     token = _routes.set(routes)
@@ -69,8 +69,22 @@ class _KDAFunction(torch.autograd.Function):
     """Routes forward and backward of one call to the same backend."""
 
     @staticmethod
-    def forward(ctx, backend: Backend, spec: KDASpec, cu_seqlens, cu_seqlens_cpu, routes,
-                q, k, v, g, beta, A_log, dt_bias, initial_state):
+    def forward(
+        ctx,
+        backend: Backend,
+        spec: KDASpec,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        routes,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        initial_state,
+    ):
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
         result = backend.forward(inputs, spec)
         _note(backend, "forward", spec, routes)
@@ -98,8 +112,7 @@ def _prepare(args: dict[str, Any], kwargs: dict[str, Any]) -> tuple[KDASpec, dic
             raise KDAInputError("transpose_state_layout", "is the deprecated name of state_v_first; pass only one")
         args["state_v_first"] = bool(old)
     if kwargs:
-        raise KDAInputError(next(iter(kwargs)), "is not an argument of chunk_kda",
-                            ", ".join(sorted(kwargs)))
+        raise KDAInputError(next(iter(kwargs)), "is not an argument of chunk_kda", ", ".join(sorted(kwargs)))
     for name, default in _UNSUPPORTED.items():
         if args[name] is not default and args[name] != default:
             raise KDAInputError(name, f"is not supported by kda (only the default {default!r} is)", repr(args[name]))
@@ -110,11 +123,18 @@ def _prepare(args: dict[str, Any], kwargs: dict[str, Any]) -> tuple[KDASpec, dic
 def _run(spec: KDASpec, call: dict[str, Any], backend_request: dispatch.Request):
     backend = dispatch.select(spec, backend_request)
     routes = _routes.get()
-    tensors = (call["q"], call["k"], call["v"], call["g"], call["beta"], call["A_log"], call["dt_bias"],
-               call["initial_state"])
+    tensors = (
+        call["q"],
+        call["k"],
+        call["v"],
+        call["g"],
+        call["beta"],
+        call["A_log"],
+        call["dt_bias"],
+        call["initial_state"],
+    )
     if spec.requires_grad:
-        o, final_state = _KDAFunction.apply(backend, spec, call["cu_seqlens"], call["cu_seqlens_cpu"], routes,
-                                            *tensors)
+        o, final_state = _KDAFunction.apply(backend, spec, call["cu_seqlens"], call["cu_seqlens_cpu"], routes, *tensors)
     else:
         inputs = KDAInputs(*tensors, call["cu_seqlens"], call["cu_seqlens_cpu"])
         result = backend.forward(inputs, spec)

@@ -58,8 +58,10 @@ def use_backends(*names: str) -> Iterator[None]:
     known = {b.name for b in registry.registered_backends()}
     unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise ValueError(f"use_backends needs registered backend names; unknown: {unknown or '(none given)'}; "
-                         f"registered: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"use_backends needs registered backend names; unknown: {unknown or '(none given)'}; "
+            f"registered: {', '.join(sorted(known))}"
+        )
     token = _scoped.set(tuple(names))
     try:
         yield
@@ -209,8 +211,15 @@ def _cache_key(spec: KDASpec, request: Request) -> tuple:
 
     names = _requested(request)
     store = default_store()
-    return (spec.routing_key, names, registry.generation(), id(store), store.generation, config.verify_mode(),
-            timings.stamp(spec.device, store.root) if names is None else None)
+    return (
+        spec.routing_key,
+        names,
+        registry.generation(),
+        id(store),
+        store.generation,
+        config.verify_mode(),
+        timings.stamp(spec.device, store.root) if names is None else None,
+    )
 
 
 def select(spec: KDASpec, request: Request = "auto") -> Backend:

@@ -25,7 +25,9 @@ class KDAInputError(KDAError, ValueError):
         if got is not None:
             message += f"; got {got}"
         for other in self.more:
-            message += f"\n  also `{other.argument}`: {other.rule}" + (f"; got {other.got}" if other.got is not None else "")
+            message += f"\n  also `{other.argument}`: {other.rule}" + (
+                f"; got {other.got}" if other.got is not None else ""
+            )
         super().__init__(message)
 
 

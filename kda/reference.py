@@ -20,6 +20,8 @@ not catch.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -146,6 +148,7 @@ def kda_reference(
     the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`; no argument checks (the
     caller validated through `KDASpec`).
     """
+
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(compute_dtype)
 
@@ -156,8 +159,14 @@ def kda_reference(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     beta = beta_transform(beta, sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
-    g = log_decay(g, use_gate_in_kernel=use_gate_in_kernel, safe_gate_on=safe_gate, A_log=A_log,
-                  dt_bias=dt_bias, lower_bound=lower_bound)
+    g = log_decay(
+        g,
+        use_gate_in_kernel=use_gate_in_kernel,
+        safe_gate_on=safe_gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+    )
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
 
@@ -166,7 +175,7 @@ def kda_reference(
     else:
         bounds = [int(x) for x in cu_seqlens.tolist()]
         outs, states = [], []
-        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for n, (start, end) in enumerate(itertools.pairwise(bounds)):
             h0 = None if initial_state is None else initial_state[n : n + 1]
             piece = slice(start, end)
             o_n, S_n = naive_recurrence(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], scale, h0)

@@ -85,7 +85,9 @@ def _add(backend: Backend, *, replace: bool) -> None:
     global _generation
     name = getattr(backend, "name", None)
     if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"a backend needs a class attribute `name` (a non-empty string other than 'auto'); got {name!r}")
+        raise ValueError(
+            f"a backend needs a class attribute `name` (a non-empty string other than 'auto'); got {name!r}"
+        )
     if name in _backends and not replace:
         raise ValueError(f"a backend named {name!r} is already registered ({_backends[name]!r}); pass replace=True")
     _backends[name] = backend

@@ -262,7 +262,12 @@ class KDASpec(BaseModel):
         other: tuple[int, ...] | None = None
 
         def host_values(t: torch.Tensor | None) -> tuple[int, ...] | None:
-            if t is None or t.device.type != "cpu" or t.dim() != 1 or str(t.dtype).removeprefix("torch.") not in INDEX_DTYPES:
+            if (
+                t is None
+                or t.device.type != "cpu"
+                or t.dim() != 1
+                or str(t.dtype).removeprefix("torch.") not in INDEX_DTYPES
+            ):
                 return None
             return tuple(int(x) for x in t.tolist())
 
@@ -280,25 +285,67 @@ class KDASpec(BaseModel):
         # checks: every rule depends only on what this key holds. (Saves ~40 us of the ~100 us per call.)
         memo_key = (
             tuple(None if t is None else (t.shape, t.dtype, t.device) for t in (*named.values(), *optional.values())),
-            values, other, float(scale), output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, chunk_size,
-            bool(requires_grad), disable_recompute,
+            values,
+            other,
+            float(scale),
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel,
+            allow_neg_eigval,
+            safe_gate,
+            lower_bound,
+            state_v_first,
+            chunk_size,
+            bool(requires_grad),
+            disable_recompute,
         )
         cached = _spec_memo.get(memo_key)
         if cached is not None:
             return cached
-        spec = cls._build(named, optional, values, other, scale, output_final_state, use_qk_l2norm_in_kernel,
-                          use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                          state_v_first, chunk_size, requires_grad, disable_recompute)
+        spec = cls._build(
+            named,
+            optional,
+            values,
+            other,
+            scale,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel,
+            allow_neg_eigval,
+            safe_gate,
+            lower_bound,
+            state_v_first,
+            chunk_size,
+            requires_grad,
+            disable_recompute,
+        )
         if len(_spec_memo) >= _SPEC_MEMO_LIMIT:
             _spec_memo.clear()
         _spec_memo[memo_key] = spec
         return spec
 
     @classmethod
-    def _build(cls, named, optional, values, other, scale, output_final_state, use_qk_l2norm_in_kernel,
-               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-               state_v_first, chunk_size, requires_grad, disable_recompute) -> KDASpec:
+    def _build(
+        cls,
+        named,
+        optional,
+        values,
+        other,
+        scale,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+        safe_gate,
+        lower_bound,
+        state_v_first,
+        chunk_size,
+        requires_grad,
+        disable_recompute,
+    ) -> KDASpec:
         return cls(
             **{name: TensorInfo.of(t) for name, t in named.items()},
             **{name: (None if t is None else TensorInfo.of(t)) for name, t in optional.items()},
@@ -396,19 +443,28 @@ class KDASpec(BaseModel):
                     rule("A_log", "dtype must be float32", self.A_log.dtype)
             if self.dt_bias is not None:
                 if self.dt_bias.shape not in ((HV * K,), (HV, K)):
-                    rule("dt_bias", f"must have shape [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}]",
-                         _fmt_shape(self.dt_bias.shape))
+                    rule(
+                        "dt_bias",
+                        f"must have shape [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}]",
+                        _fmt_shape(self.dt_bias.shape),
+                    )
                 if self.dt_bias.dtype != "float32":
                     rule("dt_bias", "dtype must be float32", self.dt_bias.dtype)
         else:
             for name in ("A_log", "dt_bias"):
                 if getattr(self, name) is not None:
-                    rule(name, "is used only with use_gate_in_kernel=True (g is taken as the log decay as given)",
-                         "a tensor")
+                    rule(
+                        name,
+                        "is used only with use_gate_in_kernel=True (g is taken as the log decay as given)",
+                        "a tensor",
+                    )
 
         if self.allow_neg_eigval and not self.use_beta_sigmoid_in_kernel:
-            rule("allow_neg_eigval", "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True",
-                 "use_beta_sigmoid_in_kernel=False")
+            rule(
+                "allow_neg_eigval",
+                "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True",
+                "use_beta_sigmoid_in_kernel=False",
+            )
         if self.chunk_size not in CHUNK_SIZES:
             rule("chunk_size", "must be 32 or 64", self.chunk_size)
         if not math.isfinite(self.scale):
@@ -434,16 +490,24 @@ class KDASpec(BaseModel):
                 if self.cu_seqlens_cpu.device != "cpu":
                     rule("cu_seqlens_cpu", "must be on the CPU", self.cu_seqlens_cpu.device)
                 if self.cu_seqlens_cpu.shape != cu.shape:
-                    rule("cu_seqlens_cpu", f"must have cu_seqlens' shape {_fmt_shape(cu.shape)}",
-                         _fmt_shape(self.cu_seqlens_cpu.shape))
+                    rule(
+                        "cu_seqlens_cpu",
+                        f"must have cu_seqlens' shape {_fmt_shape(cu.shape)}",
+                        _fmt_shape(self.cu_seqlens_cpu.shape),
+                    )
             if self.cu_seqlens_values is not None and len(cu.shape) == 1:
                 broken = cu_seqlens_violation(self.cu_seqlens_values, T)
                 if broken is not None:
                     rule("cu_seqlens_cpu" if self.cu_seqlens_cpu is not None else "cu_seqlens", broken)
-                elif (self.cu_seqlens_values_device is not None
-                        and self.cu_seqlens_values_device != self.cu_seqlens_values):
-                    rule("cu_seqlens_cpu", "must hold the same values as cu_seqlens",
-                         f"{list(self.cu_seqlens_values)} vs {list(self.cu_seqlens_values_device)}")
+                elif (
+                    self.cu_seqlens_values_device is not None
+                    and self.cu_seqlens_values_device != self.cu_seqlens_values
+                ):
+                    rule(
+                        "cu_seqlens_cpu",
+                        "must hold the same values as cu_seqlens",
+                        f"{list(self.cu_seqlens_values)} vs {list(self.cu_seqlens_values_device)}",
+                    )
 
         # Recurrent state.
         if self.initial_state is not None:
@@ -451,8 +515,11 @@ class KDASpec(BaseModel):
             expected = (num_seqs, HV, V, K) if self.state_v_first else (num_seqs, HV, K, V)
             layout = "[N, HV, V, K] (state_v_first=True)" if self.state_v_first else "[N, HV, K, V]"
             if h0.shape != expected:
-                rule("initial_state", f"must be {layout} = {_fmt_shape(expected)} with N = {num_seqs} sequences",
-                     _fmt_shape(h0.shape))
+                rule(
+                    "initial_state",
+                    f"must be {layout} = {_fmt_shape(expected)} with N = {num_seqs} sequences",
+                    _fmt_shape(h0.shape),
+                )
             if h0.dtype != "float32":
                 rule("initial_state", "dtype must be float32", h0.dtype)
 

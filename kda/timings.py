@@ -60,8 +60,15 @@ class ShapePoint:
     def of(cls, spec: KDASpec) -> ShapePoint:
         tokens = spec.B * spec.T
         return cls(
-            training=spec.requires_grad, gate=spec.gate_mode.value, dtype=spec.q.dtype, K=spec.K, V=spec.V,
-            varlen=spec.is_varlen, tokens=tokens, heads=spec.HV, mean_len=tokens / max(1, spec.num_seqs),
+            training=spec.requires_grad,
+            gate=spec.gate_mode.value,
+            dtype=spec.q.dtype,
+            K=spec.K,
+            V=spec.V,
+            varlen=spec.is_varlen,
+            tokens=tokens,
+            heads=spec.HV,
+            mean_len=tokens / max(1, spec.num_seqs),
         )
 
     def distance(self, other: ShapePoint) -> float:
@@ -74,8 +81,11 @@ class ShapePoint:
         def log_ratio(a: float, b: float) -> float:
             return abs(math.log2(max(a, 1.0) / max(b, 1.0)))
 
-        d = (log_ratio(self.tokens, other.tokens) + log_ratio(self.heads, other.heads)
-             + log_ratio(self.mean_len, other.mean_len))
+        d = (
+            log_ratio(self.tokens, other.tokens)
+            + log_ratio(self.heads, other.heads)
+            + log_ratio(self.mean_len, other.mean_len)
+        )
         d += _SOFT_PENALTY * ((self.gate != other.gate) + (self.varlen != other.varlen))
         return d
 
@@ -95,8 +105,11 @@ class TimingEntry:
     timings: dict[str, Measurement] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
-        return {"shape": self.shape, "point": asdict(self.point),
-                "timings": {name: asdict(m) for name, m in self.timings.items()}}
+        return {
+            "shape": self.shape,
+            "point": asdict(self.point),
+            "timings": {name: asdict(m) for name, m in self.timings.items()},
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TimingEntry:
@@ -266,8 +279,9 @@ def rank(spec: KDASpec, usable: list[tuple[str, str, int]]) -> tuple[list[str], 
         return by_priority, None
     entry, distance = found
     versions = {name: version for name, version, _ in usable}
-    timed = {name: m.ms for name, m in entry.timings.items()
-             if name in versions and m.backend_version == versions[name]}
+    timed = {
+        name: m.ms for name, m in entry.timings.items() if name in versions and m.backend_version == versions[name]
+    }
     if not timed:
         return by_priority, None
     fastest_first = iter(sorted(timed, key=timed.__getitem__))

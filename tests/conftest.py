@@ -15,8 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kda  # noqa: E402
-from kda import dispatch, registry  # noqa: E402
+import kda
+from kda import dispatch, registry
 
 
 @pytest.fixture(autouse=True)

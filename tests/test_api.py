@@ -30,19 +30,29 @@ _EMPTY = inspect.Parameter.empty
 
 # fla.ops.kda.chunk_kda 0.6: positional parameters, in order, with defaults.
 FLA_POSITIONAL = [
-    ("q", _EMPTY), ("k", _EMPTY), ("v", _EMPTY), ("g", _EMPTY), ("beta", _EMPTY),
-    ("scale", None), ("initial_state", None), ("output_final_state", False),
-    ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
-    ("allow_neg_eigval", False), ("safe_gate", False), ("lower_bound", None), ("disable_recompute", False),
-    ("return_intermediate_states", False), ("state_v_first", False), ("cu_seqlens", None),
-    ("cu_seqlens_cpu", None), ("cp_context", None), ("use_graph", False), ("max_num_seqs", None),
+    ("q", _EMPTY),
+    ("k", _EMPTY),
+    ("v", _EMPTY),
+    ("g", _EMPTY),
+    ("beta", _EMPTY),
+    ("scale", None),
+    ("initial_state", None),
+    ("output_final_state", False),
+    ("use_qk_l2norm_in_kernel", False),
+    ("use_gate_in_kernel", False),
+    ("use_beta_sigmoid_in_kernel", False),
+    ("allow_neg_eigval", False),
+    ("safe_gate", False),
+    ("lower_bound", None),
+    ("disable_recompute", False),
+    ("return_intermediate_states", False),
+    ("state_v_first", False),
+    ("cu_seqlens", None),
+    ("cu_seqlens_cpu", None),
+    ("cp_context", None),
+    ("use_graph", False),
+    ("max_num_seqs", None),
 ]
-
-
-
-
-
-
 
 
 class SpyBackend(TorchBackend):
@@ -78,8 +88,9 @@ class ForwardOnlyBackend(TorchBackend):
     trains = False
 
 
-def inputs(T: int = 40, H: int = 1, HV: int | None = None, K: int = 16, V: int = 16,
-           dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def inputs(
+    T: int = 40, H: int = 1, HV: int | None = None, K: int = 16, V: int = 16, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     HV = H if HV is None else HV
     return {
         "q": F.normalize(torch.randn(1, T, H, K), dim=-1).to(dtype),
@@ -109,7 +120,8 @@ def test_signature_is_fla_compatible():
     for p, (name, default) in zip(positional, FLA_POSITIONAL):
         assert p.kind is p.POSITIONAL_OR_KEYWORD, name  # callable by position and by keyword
         assert p.default is default or (type(p.default) is type(default) and p.default == default), (
-            f"{name}: default {p.default!r}, FLA has {default!r}")
+            f"{name}: default {p.default!r}, FLA has {default!r}"
+        )
     keyword_only = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
     assert {"backend", "A_log", "dt_bias", "chunk_size"} <= set(keyword_only)
     assert keyword_only["backend"] == "auto" and keyword_only["A_log"] is None and keyword_only["dt_bias"] is None
@@ -122,16 +134,53 @@ def test_all_fla_arguments_by_position(seed):
     # q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, gate, beta_sigmoid, neg_eig,
     # safe_gate, lower_bound, disable_recompute, return_intermediate_states, state_v_first, cu_seqlens,
     # cu_seqlens_cpu, cp_context, use_graph, max_num_seqs
-    by_position = kda.chunk_kda(call["q"], call["k"], call["v"], call["g"], call["beta"], 0.3, h0, True, True,
-                                False, True, True, False, None, True, False, False, None, None, None, False, None)
-    by_keyword = kda.chunk_kda(**call, scale=0.3, initial_state=h0, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
-                               disable_recompute=True)
+    by_position = kda.chunk_kda(
+        call["q"],
+        call["k"],
+        call["v"],
+        call["g"],
+        call["beta"],
+        0.3,
+        h0,
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+        None,
+        True,
+        False,
+        False,
+        None,
+        None,
+        None,
+        False,
+        None,
+    )
+    by_keyword = kda.chunk_kda(
+        **call,
+        scale=0.3,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=True,
+        disable_recompute=True,
+    )
     torch.testing.assert_close(by_position[0], by_keyword[0], rtol=0, atol=0)
     torch.testing.assert_close(by_position[1], by_keyword[1], rtol=0, atol=0)
-    ref_o, ref_state = reference({**call, "scale": 0.3, "initial_state": h0, "output_final_state": True,
-                                  "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-                                  "allow_neg_eigval": True})
+    ref_o, ref_state = reference(
+        {
+            **call,
+            "scale": 0.3,
+            "initial_state": h0,
+            "output_final_state": True,
+            "use_qk_l2norm_in_kernel": True,
+            "use_beta_sigmoid_in_kernel": True,
+            "allow_neg_eigval": True,
+        }
+    )
     assert relative_error(by_position[0], ref_o) < 1e-3
     assert relative_error(by_position[1], ref_state) < 1e-3
 
@@ -140,8 +189,12 @@ def test_all_fla_arguments_by_position(seed):
 def test_gate_parameters_as_keywords(seed, safe):
     call = inputs(H=1, HV=2)
     call["g"] = torch.randn(1, 40, 2, 16)  # the raw gate input
-    extra: dict[str, Any] = {"use_gate_in_kernel": True, "A_log": torch.rand(2) * 2, "dt_bias": torch.randn(2, 16),
-                             "chunk_size": 32}
+    extra: dict[str, Any] = {
+        "use_gate_in_kernel": True,
+        "A_log": torch.rand(2) * 2,
+        "dt_bias": torch.randn(2, 16),
+        "chunk_size": 32,
+    }
     if safe:
         extra.update(safe_gate=True, lower_bound=-5.0)
     o, final = kda.chunk_kda(**call, **extra)
@@ -160,8 +213,7 @@ def test_transpose_state_layout_is_an_alias_of_state_v_first(seed):
     K, V = 16, 8  # K != V, so the two layouts differ in shape
     call = inputs(K=K, V=V)
     h0_vk = torch.randn(1, 1, V, K)
-    o_alias, s_alias = kda.chunk_kda(**call, initial_state=h0_vk, output_final_state=True,
-                                     transpose_state_layout=True)
+    o_alias, s_alias = kda.chunk_kda(**call, initial_state=h0_vk, output_final_state=True, transpose_state_layout=True)
     o_new, s_new = kda.chunk_kda(**call, initial_state=h0_vk, output_final_state=True, state_v_first=True)
     assert s_alias.shape == (1, 1, V, K)
     torch.testing.assert_close(o_alias, o_new, rtol=0, atol=0)
@@ -189,12 +241,15 @@ def test_unknown_keyword_raises_input_error(seed):
     assert error.value.argument == "head_first"
 
 
-@pytest.mark.parametrize("name, value", [
-    ("return_intermediate_states", True),
-    ("cp_context", object()),
-    ("use_graph", True),
-    ("max_num_seqs", 4),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("return_intermediate_states", True),
+        ("cp_context", object()),
+        ("use_graph", True),
+        ("max_num_seqs", 4),
+    ],
+)
 def test_unsupported_fla_options_raise(seed, name, value):
     spy = SpyBackend()
     kda.register_backend(spy)
@@ -240,11 +295,11 @@ def test_final_state_is_none_unless_asked_whatever_the_backend_returns(seed):
     kda.register_backend(ChattyBackend)
     call = {**inputs(), "chunk_size": 32}
     with kda.trace_routes() as routes:
-        o, final = kda.chunk_kda(**call)
+        _o, final = kda.chunk_kda(**call)
     assert [r.backend for r in routes] == ["chatty"]
     assert final is None
     with kda.trace_routes() as routes:
-        o2, final2 = kda.chunk_kda(**call, output_final_state=True)
+        _o2, final2 = kda.chunk_kda(**call, output_final_state=True)
     assert [r.backend for r in routes] == ["chatty"] and final2 is not None
 
 

@@ -22,8 +22,9 @@ def test_chunked_backward_matches_autograd(seed, T, C):
     beta = (torch.rand(T, dtype=dt) * 0.9 + 0.05).requires_grad_()
     a = (-torch.rand(T, K, dtype=dt) * 3).requires_grad_()
     S0 = torch.randn(K, V, dtype=dt, requires_grad=True)
-    o_ref, S_ref = naive_recurrence(q[None, :, None], k[None, :, None], v[None, :, None], a[None, :, None],
-                                    beta[None, :, None], 0.7, S0[None, None])
+    o_ref, S_ref = naive_recurrence(
+        q[None, :, None], k[None, :, None], v[None, :, None], a[None, :, None], beta[None, :, None], 0.7, S0[None, None]
+    )
     do, dS_T = torch.randn(T, V, dtype=dt), torch.randn(K, V, dtype=dt)
     want = torch.autograd.grad([o_ref[0, :, 0], S_ref[0, 0]], [q, k, v, beta, a, S0], [do, dS_T])
     with torch.no_grad():
@@ -49,8 +50,9 @@ def test_log_decay_gradient_in_fp32_where_the_decay_underflows(seed):
     saturated = torch.rand(T, K) < 0.15
     a = torch.where(saturated, -150 - 250 * torch.rand(T, K, dtype=dt), a).requires_grad_()
     S0 = torch.randn(K, V, dtype=dt)
-    o_ref, S_ref = naive_recurrence(q[None, :, None], k[None, :, None], v[None, :, None], a[None, :, None],
-                                    beta[None, :, None], 0.7, S0[None, None])
+    o_ref, S_ref = naive_recurrence(
+        q[None, :, None], k[None, :, None], v[None, :, None], a[None, :, None], beta[None, :, None], 0.7, S0[None, None]
+    )
     do, dS_T = torch.randn(T, V, dtype=dt), torch.randn(K, V, dtype=dt)
     (da_ref,) = torch.autograd.grad([o_ref[0, :, 0], S_ref[0, 0]], [a], [do, dS_T])
     f32 = [x.detach().float() for x in (q, k, v, beta, a, S0)]

@@ -17,8 +17,16 @@ from kda.bench import cli, results, runner
 from kda.bench.runner import BenchConfig, pct_fla
 from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape, case_class_keys, make_inputs
 
-REQUIRED_ROW_FIELDS = {"shape", "mode", "backend", "median_ms", "fla_median_ms", "pct_fla", "peak_bytes",
-                       "cold_start_s"}
+REQUIRED_ROW_FIELDS = {
+    "shape",
+    "mode",
+    "backend",
+    "median_ms",
+    "fla_median_ms",
+    "pct_fla",
+    "peak_bytes",
+    "cold_start_s",
+}
 REQUIRED_VERSIONS = {"kda", "torch", "triton", "helion", "tilelang", "flash_kda", "fla", "driver"}
 
 
@@ -29,8 +37,14 @@ class Quick(TorchBackend):
 
 
 def test_the_issue_shapes_parse_and_name_themselves():
-    assert DEFAULT_SHAPES[:6] == ["B1_T8192_H96_D128", "B2_T16384_H16_D128", "B4_T2048_H16_D128",
-                                  "B4_T4096_H64_D128", "B8_T2048_H32_D256", "B8_T1024_H8_D64"]
+    assert DEFAULT_SHAPES[:6] == [
+        "B1_T8192_H96_D128",
+        "B2_T16384_H16_D128",
+        "B4_T2048_H16_D128",
+        "B4_T4096_H64_D128",
+        "B8_T2048_H32_D256",
+        "B8_T1024_H8_D64",
+    ]
     mixed = BenchShape.parse("varlen_H96_D128_L1300-547-2048-963-271-3063")
     assert mixed.varlen and mixed.B == 1 and mixed.T == 8192 and mixed.num_seqs == 6
     repeated = BenchShape.parse("varlen_H64_D128_L1024x8")
@@ -110,12 +124,22 @@ def test_rows_hold_same_run_ratios_and_the_schema(seed, monkeypatch, tmp_path):
     kda.register_backend(Quick)
     ms = {"baseline:fla": 3.0, "baseline:flashkda": 1.5, "torch": 6.0, "quick": 2.0, "auto": 2.0}
     cold_log = fake_measurements(monkeypatch, ms)
-    config = BenchConfig(["B1_T24_H2_D16", "varlen_H2_D16_L9-15"], ["fwd", "train_safe"],
-                         ["baseline:fla", "baseline:flashkda", "torch", "quick", "flashkda", "auto"],
-                         torch.device("cpu"), cold_start="first", tune=True)
+    config = BenchConfig(
+        ["B1_T24_H2_D16", "varlen_H2_D16_L9-15"],
+        ["fwd", "train_safe"],
+        ["baseline:fla", "baseline:flashkda", "torch", "quick", "flashkda", "auto"],
+        torch.device("cpu"),
+        cold_start="first",
+        tune=True,
+    )
     seen: list[str] = []
-    rows = runner.run(config, on_row=lambda row: seen.append(row.backend), timer=runner.timing.median_ms,
-                      memory=runner.timing.peak_bytes, cold=runner.timing.cold_start)
+    rows = runner.run(
+        config,
+        on_row=lambda row: seen.append(row.backend),
+        timer=runner.timing.median_ms,
+        memory=runner.timing.peak_bytes,
+        cold=runner.timing.cold_start,
+    )
     assert len(rows) == len(seen) == 2 * 2 * 6
     by = {(r.shape, r.mode, r.backend): r for r in rows}
 
@@ -143,9 +167,9 @@ def test_rows_hold_same_run_ratios_and_the_schema(seed, monkeypatch, tmp_path):
     assert all(set(e.timings) == {"torch", "quick"} for e in table.entries)  # kda backends only
 
     data = results.payload(rows, torch.device("cpu"), {"note": "test"})
-    assert REQUIRED_VERSIONS <= set(data["versions"]) and data["gpu"]["name"].startswith("cpu")
+    assert set(data["versions"]) >= REQUIRED_VERSIONS and data["gpu"]["name"].startswith("cpu")
     for row in data["rows"]:
-        assert REQUIRED_ROW_FIELDS <= set(row)
+        assert set(row) >= REQUIRED_ROW_FIELDS
     paths = results.write(data, tmp_path / "out")
     assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(data))
     markdown = paths["md"].read_text()
@@ -155,13 +179,36 @@ def test_rows_hold_same_run_ratios_and_the_schema(seed, monkeypatch, tmp_path):
 
 def test_cli_end_to_end_on_the_cpu(seed, tmp_path, capsys):
     out = tmp_path / "bench"
-    code = cli.main(["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--mode", "train_pregated", "--backend", "torch",
-                     "--backend", "auto", "--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1",
-                     "--out", str(out)])
+    code = cli.main(
+        [
+            "--shape",
+            "B1_T20_H1_D8",
+            "--mode",
+            "fwd",
+            "--mode",
+            "train_pregated",
+            "--backend",
+            "torch",
+            "--backend",
+            "auto",
+            "--cold-start",
+            "none",
+            "--rep-ms",
+            "5",
+            "--warmup-ms",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     data = json.loads((out / "results.json").read_text())
     assert [(r["mode"], r["backend"]) for r in data["rows"]] == [
-        ("fwd", "torch"), ("fwd", "auto"), ("train_pregated", "torch"), ("train_pregated", "auto")]
+        ("fwd", "torch"),
+        ("fwd", "auto"),
+        ("train_pregated", "torch"),
+        ("train_pregated", "auto"),
+    ]
     assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["pct_fla"] is None for r in data["rows"])
     assert data["rows"][1]["chose"] == "torch"
     printed = capsys.readouterr().out
@@ -190,9 +237,30 @@ def test_rows_are_on_disk_as_each_finishes(seed, tmp_path, monkeypatch):
         return real_run(config, on_row=spy)
 
     monkeypatch.setattr(cli, "run", watched_run)
-    code = cli.main(["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--mode", "train_pregated", "--backend", "torch",
-                     "--backend", "auto", "--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1", "--rounds", "1",
-                     "--out", str(out)])
+    code = cli.main(
+        [
+            "--shape",
+            "B1_T20_H1_D8",
+            "--mode",
+            "fwd",
+            "--mode",
+            "train_pregated",
+            "--backend",
+            "torch",
+            "--backend",
+            "auto",
+            "--cold-start",
+            "none",
+            "--rep-ms",
+            "5",
+            "--warmup-ms",
+            "1",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0 and on_disk == [1, 2, 3, 4]
     final = json.loads((out / "results.json").read_text())
     assert len(final["rows"]) == 4 and "partial" not in final["settings"]
@@ -204,8 +272,25 @@ def test_tune_names_the_backends_it_leaves_untimed(seed, tmp_path, capsys):
     out says so (on the H200, timing `baseline:fla` without the kda `fla` backend left auto on triton at
     0.67x FLA)."""
     kda.register_backend(Quick)
-    args = ["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--backend", "torch", "--backend", "auto", "--tune",
-            "--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1", "--rounds", "1"]
+    args = [
+        "--shape",
+        "B1_T20_H1_D8",
+        "--mode",
+        "fwd",
+        "--backend",
+        "torch",
+        "--backend",
+        "auto",
+        "--tune",
+        "--cold-start",
+        "none",
+        "--rep-ms",
+        "5",
+        "--warmup-ms",
+        "1",
+        "--rounds",
+        "1",
+    ]
     assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
     assert "not timed in this run, though `auto` can choose them here: quick." in capsys.readouterr().err
     assert cli.main([*args, "--backend", "quick", "--out", str(tmp_path / "b")]) == 0
@@ -214,11 +299,31 @@ def test_tune_names_the_backends_it_leaves_untimed(seed, tmp_path, capsys):
 
 def test_merge_joins_runs_of_one_gpu_and_refuses_others(tmp_path):
     def part(name: str, versions: dict[str, Any]) -> Path:
-        data = {"kda": "x", "date": "d", "gpu": {"name": "G"}, "versions": versions, "settings": {},
-                "rows": [{"shape": name, "mode": "fwd", "backend": "fla", "kind": "kda", "status": "ok",
-                          "reason": None, "median_ms": 1.0, "fla_median_ms": 1.0, "pct_fla": 100.0,
-                          "peak_bytes": 1, "cold_start_s": None, "cold_process_s": None,
-                          "cold_new_cache_files": None, "chose": None}]}
+        data = {
+            "kda": "x",
+            "date": "d",
+            "gpu": {"name": "G"},
+            "versions": versions,
+            "settings": {},
+            "rows": [
+                {
+                    "shape": name,
+                    "mode": "fwd",
+                    "backend": "fla",
+                    "kind": "kda",
+                    "status": "ok",
+                    "reason": None,
+                    "median_ms": 1.0,
+                    "fla_median_ms": 1.0,
+                    "pct_fla": 100.0,
+                    "peak_bytes": 1,
+                    "cold_start_s": None,
+                    "cold_process_s": None,
+                    "cold_new_cache_files": None,
+                    "chose": None,
+                }
+            ],
+        }
         path = tmp_path / name / "results.json"
         path.parent.mkdir()
         path.write_text(json.dumps(data))
@@ -239,8 +344,9 @@ def test_jobs_keep_compile_groups_together_and_balance_them():
         for other in shares:
             if other is not share:
                 keys = {(BenchShape.parse(s).H, BenchShape.parse(s).D, BenchShape.parse(s).varlen) for s in share}
-                assert not keys & {(BenchShape.parse(s).H, BenchShape.parse(s).D, BenchShape.parse(s).varlen)
-                                   for s in other}
+                assert not keys & {
+                    (BenchShape.parse(s).H, BenchShape.parse(s).D, BenchShape.parse(s).varlen) for s in other
+                }
     assert cli.compile_groups(["B1_T8_H2_D8"], 3) == [["B1_T8_H2_D8"]]
 
 
@@ -254,10 +360,12 @@ def test_rows_are_timed_in_rotated_rounds_and_report_the_median(seed, monkeypatc
         return next(answers[fn.backend])
 
     monkeypatch.setattr(runner.timing, "median_ms", timer)
-    config = BenchConfig(["B1_T24_H2_D16"], ["fwd"], ["baseline:fla", "torch"], torch.device("cpu"),
-                         cold_start="none", rounds=3)
-    rows = runner.run(config, timer=runner.timing.median_ms, memory=runner.timing.peak_bytes,
-                      cold=runner.timing.cold_start)
+    config = BenchConfig(
+        ["B1_T24_H2_D16"], ["fwd"], ["baseline:fla", "torch"], torch.device("cpu"), cold_start="none", rounds=3
+    )
+    rows = runner.run(
+        config, timer=runner.timing.median_ms, memory=runner.timing.peak_bytes, cold=runner.timing.cold_start
+    )
     assert order == ["baseline:fla", "torch", "torch", "baseline:fla", "baseline:fla", "torch"]
     by = {r.backend: r for r in rows}
     assert by["baseline:fla"].median_ms == 6.0 and by["torch"].median_ms == 4.0

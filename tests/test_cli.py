@@ -29,9 +29,6 @@ JSON_KEYS = {"kda", "device", "quick", "passed", "fingerprints", "unavailable", 
 RESULT_KEYS = {"backend", "case_class", "status", "worst_ratio", "cases"}
 
 
-
-
-
 class WrongBackend(TorchBackend):
     """The torch backend with every output 1% too large."""
 
@@ -64,7 +61,7 @@ def read_json(path: Path) -> dict:
 
 
 def check_payload(payload: dict, backends: list[str], keys: list[str], *, passed: bool) -> None:
-    assert JSON_KEYS <= set(payload), set(payload) ^ JSON_KEYS
+    assert set(payload) >= JSON_KEYS, set(payload) ^ JSON_KEYS
     assert payload["kda"] == kda.__version__
     assert payload["device"] == "cpu"
     assert payload["quick"] is True
@@ -73,7 +70,7 @@ def check_payload(payload: dict, backends: list[str], keys: list[str], *, passed
     results = payload["results"]
     assert [(r["backend"], r["case_class"]) for r in results] == [(b, k) for b in backends for k in keys]
     for r in results:
-        assert RESULT_KEYS <= set(r), r.keys()
+        assert set(r) >= RESULT_KEYS, r.keys()
         assert r["status"] in {"pass", "fail", "unsupported"}
         assert len(r["cases"]) == 1  # --quick: one case per class
         case = r["cases"][0]
@@ -85,8 +82,21 @@ def check_payload(payload: dict, backends: list[str], keys: list[str], *, passed
 
 def test_cli_passes_torch_and_writes_json_and_records(tmp_path, capsys):
     out_json = tmp_path / "report.json"
-    code = cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2,
-                     "--json", str(out_json)])
+    code = cli.main(
+        [
+            "--backend",
+            "torch",
+            "--quick",
+            "--device",
+            "cpu",
+            "--case",
+            CHEAP,
+            "--case",
+            CHEAP_2,
+            "--json",
+            str(out_json),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert CHEAP in out and CHEAP_2 in out and "2 passed, 0 failed" in out
@@ -166,7 +176,8 @@ def test_cli_exit_1_for_a_named_unavailable_backend(tmp_path, capsys):
     assert payload["unavailable"] == {"missing": ["package fancy_kernels is not installed"]}
     assert payload["results"] == [] and payload["passed"] is False
     assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists() or not list(
-        (Path(os.environ["KDA_CACHE_DIR"]) / "verification").glob("missing-*.json"))
+        (Path(os.environ["KDA_CACHE_DIR"]) / "verification").glob("missing-*.json")
+    )
 
 
 def test_cli_unsupported_class_is_not_a_failure_and_not_recorded(tmp_path, capsys):
@@ -185,14 +196,17 @@ def test_cli_exit_2_for_unknown_backend(capsys):
     assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()
 
 
-@pytest.mark.parametrize("key", [
-    "not-a-key",
-    "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64",  # one part short
-    "pregated/qk/beta/fp32/dense/mha/nostate/c48/d64/fwd",  # chunk 48
-    "pregated/qk/beta/fp8/dense/mha/nostate/c32/d64/fwd",  # unknown dtype
-    "sigmoid/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd",  # unknown gate
-    "pregated/qk/beta/fp32/dense/mha/nostate/cXX/d64/fwd",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "not-a-key",
+        "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64",  # one part short
+        "pregated/qk/beta/fp32/dense/mha/nostate/c48/d64/fwd",  # chunk 48
+        "pregated/qk/beta/fp8/dense/mha/nostate/c32/d64/fwd",  # unknown dtype
+        "sigmoid/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd",  # unknown gate
+        "pregated/qk/beta/fp32/dense/mha/nostate/cXX/d64/fwd",
+    ],
+)
 def test_cli_exit_2_for_malformed_case_key(capsys, key):
     assert cli.main(["--backend", "torch", "--case", CHEAP, "--case", key, "--quick", "--device", "cpu"]) == 2
     assert "not a case-class key" in capsys.readouterr().err
@@ -225,12 +239,35 @@ def test_cli_as_subprocess(tmp_path):
     out_json = tmp_path / "report.json"
     # Keep whatever PYTHONPATH already holds (a machine may carry packages such as pydantic that way).
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": python_path, "KDA_CACHE_DIR": str(cache), "KDA_VERIFY": "lazy",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": python_path,
+        "KDA_CACHE_DIR": str(cache),
+        "KDA_VERIFY": "lazy",
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "kda.verify", "--backend", "torch", "--quick", "--device", "cpu",
-         "--case", CHEAP, "--case", CHEAP_2, "--json", str(out_json)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "kda.verify",
+            "--backend",
+            "torch",
+            "--quick",
+            "--device",
+            "cpu",
+            "--case",
+            CHEAP,
+            "--case",
+            CHEAP_2,
+            "--json",
+            str(out_json),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 passed, 0 failed" in proc.stdout
@@ -250,11 +287,29 @@ def test_cli_as_subprocess(tmp_path):
 
 def test_cli_jobs_spread_classes_over_processes_and_merge(tmp_path, capsys, monkeypatch):
     """--jobs runs the classes in child processes (records land in the shared store) and reports them all."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+    )
     out_json = tmp_path / "report.json"
-    code = cli.main(["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2,
-                     "--jobs", "2", "--work-dir", str(tmp_path / "work"), "--json", str(out_json)])
+    code = cli.main(
+        [
+            "--backend",
+            "torch",
+            "--quick",
+            "--device",
+            "cpu",
+            "--case",
+            CHEAP,
+            "--case",
+            CHEAP_2,
+            "--jobs",
+            "2",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out_json),
+        ]
+    )
     assert code == 0
     assert "2 passed, 0 failed" in capsys.readouterr().out
     payload = read_json(out_json)

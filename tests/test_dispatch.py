@@ -36,12 +36,6 @@ def own_names() -> list[str]:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-
-
-
-
-
-
 class SpyBackend(kda.Backend):
     """Wraps the torch backend; `mode` makes it right, wrong, or broken. Counts its calls."""
 
@@ -90,8 +84,9 @@ class SpyBackend(kda.Backend):
         return self.torch.backward(inputs, spec, saved, do, dfinal_state)
 
 
-def make_backend(name: str, mode: str = "good", *, priority: int = 100, trains: bool = True,
-                 register: bool = True, **behaviour: Any) -> SpyBackend:
+def make_backend(
+    name: str, mode: str = "good", *, priority: int = 100, trains: bool = True, register: bool = True, **behaviour: Any
+) -> SpyBackend:
     cls = type(f"Spy_{name}", (SpyBackend,), {"name": name, "priority": priority, "trains": trains})
     backend = cls(mode, **behaviour)
     if register:
@@ -99,8 +94,9 @@ def make_backend(name: str, mode: str = "good", *, priority: int = 100, trains: 
     return backend
 
 
-def inputs(T: int = 40, H: int = 1, HV: int | None = None, K: int = 16, V: int = 16,
-           requires_grad: bool = False) -> dict[str, Any]:
+def inputs(
+    T: int = 40, H: int = 1, HV: int | None = None, K: int = 16, V: int = 16, requires_grad: bool = False
+) -> dict[str, Any]:
     """Random pregated inputs, contractive delta rule (unit q, k; beta in (0.05, 0.95))."""
     HV = H if HV is None else HV
     tensors = {
@@ -335,19 +331,20 @@ def test_use_backends_restricts_auto_and_explicit_argument_wins(seed):
     assert good.calls == 2
 
     # A block naming only a backend that cannot serve the call raises: no fallback to torch.
-    with kda.use_backends(["wrong"]), kda.trace_routes() as routes:
-        with pytest.raises(kda.BackendSelectionError, match="wrong"):
-            kda.chunk_kda(**call)
+    with (
+        kda.use_backends(["wrong"]),
+        kda.trace_routes() as routes,
+        pytest.raises(kda.BackendSelectionError, match="wrong"),
+    ):
+        kda.chunk_kda(**call)
     assert routes == []
 
 
 def test_use_backends_with_unknown_name_raises_value_error():
-    with pytest.raises(ValueError, match="nope"):
-        with kda.use_backends("torch", "nope"):
-            pass  # pragma: no cover
-    with pytest.raises(ValueError):
-        with kda.use_backends():
-            pass  # pragma: no cover
+    with pytest.raises(ValueError, match="nope"), kda.use_backends("torch", "nope"):
+        pass  # pragma: no cover
+    with pytest.raises(ValueError), kda.use_backends():
+        pass  # pragma: no cover
 
 
 # ------------------------------------------------------------------------------------------- forward-only

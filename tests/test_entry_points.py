@@ -38,9 +38,7 @@ def own_names() -> list[str]:
 _counter = itertools.count()
 
 
-
-
-PLUGIN_SOURCE = '''
+PLUGIN_SOURCE = """
 import os, sys
 import kda
 from kda.backends.torch import TorchBackend
@@ -76,7 +74,7 @@ class SecondBackend(PluginBackend):
 
 INSTANCE = SecondBackend()
 NOT_A_BACKEND = object()
-'''
+"""
 
 
 @pytest.fixture
@@ -92,8 +90,9 @@ def plugin_dir(tmp_path, monkeypatch):
     importlib.invalidate_caches()
 
 
-def install(site: tuple[Path, list[str]], entry_points: dict[str, str], modules: dict[str, str],
-            dist: str | None = None) -> str:
+def install(
+    site: tuple[Path, list[str]], entry_points: dict[str, str], modules: dict[str, str], dist: str | None = None
+) -> str:
     """Write a fake distribution: ``entry_points`` maps entry name -> "module_key:attr" where module_key
     is a key of ``modules`` (module sources); returns the distribution name."""
     root, loaded = site
@@ -195,16 +194,24 @@ def test_entry_point_may_name_an_instance(seed, plugin_dir):
 
 
 BROKEN = {
-    "import-error": ('raise ImportError("needs libfancykernels.so.3")\n', "Backend",
-                     "ImportError: needs libfancykernels.so.3"),
+    "import-error": (
+        'raise ImportError("needs libfancykernels.so.3")\n',
+        "Backend",
+        "ImportError: needs libfancykernels.so.3",
+    ),
     "missing-attribute": ("X = 1\n", "Backend", "AttributeError"),
     "not-a-backend": (PLUGIN_SOURCE, "NOT_A_BACKEND", "is not a kda Backend"),
-    "constructor-raises": (PLUGIN_SOURCE + textwrap.dedent('''
+    "constructor-raises": (
+        PLUGIN_SOURCE
+        + textwrap.dedent("""
         class Fussy(PluginBackend):
             name = "fussy"
             def __init__(self):
                 raise RuntimeError("CUDA driver too old")
-        '''), "Fussy", "RuntimeError: CUDA driver too old"),
+        """),
+        "Fussy",
+        "RuntimeError: CUDA driver too old",
+    ),
 }
 
 
@@ -212,8 +219,9 @@ BROKEN = {
 def test_broken_entry_point_is_reported_not_fatal(seed, plugin_dir, caplog, kind):
     source, attr, reason = BROKEN[kind]
     caplog.set_level(logging.WARNING, logger="kda")
-    install(plugin_dir, {"broken": f"bad:{attr}", "plugin": "good:PluginBackend"},
-            {"bad": source, "good": PLUGIN_SOURCE})
+    install(
+        plugin_dir, {"broken": f"bad:{attr}", "plugin": "good:PluginBackend"}, {"bad": source, "good": PLUGIN_SOURCE}
+    )
 
     names = own_names()
     assert set(names) == {"broken", "plugin", "torch"}  # the good entry point after it still loads
@@ -221,8 +229,11 @@ def test_broken_entry_point_is_reported_not_fatal(seed, plugin_dir, caplog, kind
     verdict = registry.availability(broken)
     assert not verdict and any(reason in r and "failed to load" in r for r in verdict.reasons), verdict
     assert "broken" not in kda.available_backends()
-    assert any("broken" in r.getMessage() and "failed to load" in r.getMessage()
-               for r in caplog.records if r.levelno == logging.WARNING)
+    assert any(
+        "broken" in r.getMessage() and "failed to load" in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+    )
 
     call = inputs()
     with kda.trace_routes() as routes:
@@ -268,12 +279,13 @@ def test_entry_point_with_a_taken_name_does_not_break_kda(seed, plugin_dir, capl
     """Regression (bug found while writing these tests, fixed since): an entry point named like a
     registered backend made the registry raise ValueError on first use, and skipped later entry points."""
     caplog.set_level(logging.WARNING, logger="kda")
-    clash = PLUGIN_SOURCE + textwrap.dedent('''
+    clash = PLUGIN_SOURCE + textwrap.dedent("""
         class Clash(PluginBackend):
             name = "torch"
-        ''')
-    install(plugin_dir, {"torch": "clash:Clash", "plugin": "good:PluginBackend"},
-            {"clash": clash, "good": PLUGIN_SOURCE})
+        """)
+    install(
+        plugin_dir, {"torch": "clash:Clash", "plugin": "good:PluginBackend"}, {"clash": clash, "good": PLUGIN_SOURCE}
+    )
     with kda.trace_routes() as routes:
         kda.chunk_kda(**inputs(), backend="torch")
     assert [r.backend for r in routes] == ["torch"]

@@ -13,8 +13,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def run_example(name: str, tmp_path: Path) -> str:
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": python_path, "KDA_CACHE_DIR": str(tmp_path / "cache"), "KDA_VERIFY": "lazy"}
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / name)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / name)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

@@ -24,7 +24,7 @@ from kda.reference import kda_reference
 from kda.spec import KDASpec
 from kda.verify.check import relative_error
 
-STANDIN = textwrap.dedent('''
+STANDIN = textwrap.dedent("""
     import functools
     import torch
     from kda.reference import kda_reference
@@ -56,15 +56,15 @@ STANDIN = textwrap.dedent('''
         return wrapper
 
     chunk_kda = _dispatch(_dispatch(chunk_kda))  # FLA stacks compiler.disable over its dispatcher
-''')
+""")
 
-DISPATCHER_ONLY = textwrap.dedent('''
+DISPATCHER_ONLY = textwrap.dedent("""
     def dispatch(*args, **kwargs):
         raise RuntimeError("routed")
 
     def chunk_kda(*args, **kwargs):
         return dispatch(*args, **kwargs)
-''')
+""")
 
 
 def install(monkeypatch, source: str = STANDIN) -> types.ModuleType:
@@ -90,11 +90,20 @@ class CPUFLA(FLABackend):
 def safe_call(*, varlen: bool = False, requires_grad: bool = False, state_v_first: bool = False) -> dict[str, Any]:
     B, T, H, HV, K, V = (1, 45, 1, 2, 16, 8) if varlen else (2, 21, 1, 2, 16, 8)
     call: dict[str, Any] = {
-        "q": torch.randn(B, T, H, K), "k": torch.randn(B, T, H, K), "v": torch.randn(B, T, HV, V),
-        "g": torch.randn(B, T, HV, K), "beta": torch.randn(B, T, HV),
-        "A_log": torch.rand(HV), "dt_bias": torch.randn(HV * K) * 0.5, "use_gate_in_kernel": True,
-        "safe_gate": True, "lower_bound": -5.0, "use_qk_l2norm_in_kernel": True,
-        "use_beta_sigmoid_in_kernel": True, "output_final_state": True, "state_v_first": state_v_first,
+        "q": torch.randn(B, T, H, K),
+        "k": torch.randn(B, T, H, K),
+        "v": torch.randn(B, T, HV, V),
+        "g": torch.randn(B, T, HV, K),
+        "beta": torch.randn(B, T, HV),
+        "A_log": torch.rand(HV),
+        "dt_bias": torch.randn(HV * K) * 0.5,
+        "use_gate_in_kernel": True,
+        "safe_gate": True,
+        "lower_bound": -5.0,
+        "use_qk_l2norm_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+        "output_final_state": True,
+        "state_v_first": state_v_first,
         "chunk_size": 32,
     }
     N = 3 if varlen else B
@@ -108,8 +117,15 @@ def safe_call(*, varlen: bool = False, requires_grad: bool = False, state_v_firs
 
 
 def reference(call: dict[str, Any]):
-    ref = {n: (t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
-               and t.is_floating_point() else t) for n, t in call.items() if n != "chunk_size"}
+    ref = {
+        n: (
+            t.detach().double().requires_grad_(t.requires_grad)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+        )
+        for n, t in call.items()
+        if n != "chunk_size"
+    }
     o, state = kda_reference(**ref)
     return ref, o, state
 
@@ -142,8 +158,11 @@ def test_training_gives_every_gradient_through_flas_graph(seed, monkeypatch, sta
     with kda.trace_routes() as routes:
         o, state = kda.chunk_kda(**call, backend="fla")
         do, dstate = torch.randn_like(o), torch.randn_like(state)
-        grads = torch.autograd.grad([o, state], [call[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
-                                                                   "initial_state")], [do, dstate])
+        grads = torch.autograd.grad(
+            [o, state],
+            [call[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")],
+            [do, dstate],
+        )
     assert [(r.backend, r.phase) for r in routes] == [("fla", "forward"), ("fla", "backward")]
     assert module.CALLS["routed_elsewhere"] == 0 and module.CALLS["inner"] >= 1
 
@@ -159,7 +178,7 @@ def test_a_wrong_fla_fails_verification_and_is_not_used(seed, monkeypatch):
     module.SCALE_OUTPUT = 1.02  # 2% off
     kda.register_backend(CPUFLA, replace=True)
     call = safe_call()
-    with pytest.raises(kda.BackendSelectionError, match="rel. error"):
+    with pytest.raises(kda.BackendSelectionError, match=r"rel\. error"):
         kda.chunk_kda(**call, backend="fla")
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call)
@@ -175,7 +194,7 @@ def test_unavailable_with_reasons(monkeypatch):
     install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "need a GPU" in str(FLABackend().available())
-    cpu_spec = KDASpec.from_call(**{k: v for k, v in safe_call().items()})
+    cpu_spec = KDASpec.from_call(**dict(safe_call().items()))
     assert "CUDA only" in str(FLABackend().supports(cpu_spec))
 
 

@@ -26,8 +26,9 @@ from kda.verify.check import relative_error, verify_class
 # ----------------------------------------------------------------------------------------- stand-ins
 
 
-def reference_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
-                  final_state=None, cu_seqlens=None):
+def reference_fwd(
+    q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None
+):
     """What FlashKDA computes, in float64, with its calling convention: states [N, H, V, K], dt_bias
     [H, K], int64 cu_seqlens, `out` written in place."""
     assert cu_seqlens is None or cu_seqlens.dtype == torch.int64, "FlashKDA takes int64 cu_seqlens"
@@ -37,10 +38,23 @@ def reference_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, ini
         assert t.dtype == torch.bfloat16 and t.is_contiguous()
     h0 = None if initial_state is None else initial_state.double()
     o, state = kda_reference(
-        q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale, initial_state=h0,
-        output_final_state=final_state is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=lower_bound, A_log=A_log.double(),
-        dt_bias=dt_bias.double(), cu_seqlens=cu_seqlens, state_v_first=True,
+        q.double(),
+        k.double(),
+        v.double(),
+        g.double(),
+        beta.double(),
+        scale=scale,
+        initial_state=h0,
+        output_final_state=final_state is not None,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=True,
+        lower_bound=lower_bound,
+        A_log=A_log.double(),
+        dt_bias=dt_bias.double(),
+        cu_seqlens=cu_seqlens,
+        state_v_first=True,
     )
     out.copy_(o)
     if final_state is not None:
@@ -78,18 +92,34 @@ def on_cpu(monkeypatch):
     kda.register_backend(CPUFlashKDA, replace=True)
 
 
-def inference_call(*, B: int = 2, T: int = 37, H: int = 2, K: int = 128, varlen: bool = False,
-                   state_v_first: bool = False, int32: bool = False, flat_dt_bias: bool = True,
-                   with_A_log: bool = True) -> dict[str, Any]:
+def inference_call(
+    *,
+    B: int = 2,
+    T: int = 37,
+    H: int = 2,
+    K: int = 128,
+    varlen: bool = False,
+    state_v_first: bool = False,
+    int32: bool = False,
+    flat_dt_bias: bool = True,
+    with_A_log: bool = True,
+) -> dict[str, Any]:
     bf16 = torch.bfloat16
     if varlen:
         B = 1
     call: dict[str, Any] = {
-        "q": torch.randn(B, T, H, K, dtype=bf16), "k": torch.randn(B, T, H, K, dtype=bf16),
-        "v": torch.randn(B, T, H, K, dtype=bf16), "g": (torch.randn(B, T, H, K) * 2).to(bf16),
+        "q": torch.randn(B, T, H, K, dtype=bf16),
+        "k": torch.randn(B, T, H, K, dtype=bf16),
+        "v": torch.randn(B, T, H, K, dtype=bf16),
+        "g": (torch.randn(B, T, H, K) * 2).to(bf16),
         "beta": torch.randn(B, T, H, dtype=bf16),
-        "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-        "safe_gate": True, "lower_bound": -5.0, "output_final_state": True, "state_v_first": state_v_first,
+        "use_qk_l2norm_in_kernel": True,
+        "use_gate_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+        "safe_gate": True,
+        "lower_bound": -5.0,
+        "output_final_state": True,
+        "state_v_first": state_v_first,
         "dt_bias": torch.randn(H * K) * 0.5 if flat_dt_bias else torch.randn(H, K) * 0.5,
     }
     if with_A_log:
@@ -114,10 +144,19 @@ def spec_with(**changes: Any) -> KDASpec:
         return TensorInfo(shape=shape, dtype=dt, device=device)
 
     fields: dict[str, Any] = dict(
-        q=info(B, T, H, K), k=info(B, T, H, K), v=info(B, T, HV, V), g=info(B, T, HV, K), beta=info(B, T, HV),
-        A_log=info(HV, dt="float32"), dt_bias=info(HV * K, dt="float32"), scale=K ** -0.5,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        safe_gate=True, lower_bound=-5.0,
+        q=info(B, T, H, K),
+        k=info(B, T, H, K),
+        v=info(B, T, HV, V),
+        g=info(B, T, HV, K),
+        beta=info(B, T, HV),
+        A_log=info(HV, dt="float32"),
+        dt_bias=info(HV * K, dt="float32"),
+        scale=K**-0.5,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=True,
+        lower_bound=-5.0,
     )
     fields.update(changes)
     return KDASpec(**fields)
@@ -136,10 +175,18 @@ def test_supports_exactly_the_fused_configuration(monkeypatch):
         "dtype": (spec_with(dtype="float16"), "must be bfloat16"),
         "K": (spec_with(K=64, dt_bias=TensorInfo(shape=(2 * 64,), dtype="float32", device="cuda:0")), "K = V = 128"),
         "V": (spec_with(V=64), "K = V = 128"),
-        "gva": (spec_with(HV=4, A_log=TensorInfo(shape=(4,), dtype="float32", device="cuda:0"),
-                          dt_bias=TensorInfo(shape=(4 * 128,), dtype="float32", device="cuda:0")), "HV == H"),
-        "pregated": (spec_with(use_gate_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None,
-                               dt_bias=None), "safe in-kernel gate"),
+        "gva": (
+            spec_with(
+                HV=4,
+                A_log=TensorInfo(shape=(4,), dtype="float32", device="cuda:0"),
+                dt_bias=TensorInfo(shape=(4 * 128,), dtype="float32", device="cuda:0"),
+            ),
+            "HV == H",
+        ),
+        "pregated": (
+            spec_with(use_gate_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None),
+            "safe in-kernel gate",
+        ),
         "softplus": (spec_with(safe_gate=False, lower_bound=None), "safe in-kernel gate"),
         "no l2norm": (spec_with(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=True"),
         "given beta": (spec_with(use_beta_sigmoid_in_kernel=False), "use_beta_sigmoid_in_kernel=True"),
@@ -188,18 +235,23 @@ def test_available_says_why_not(monkeypatch):
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 def test_forward_converts_layouts_and_writes_every_output(seed, monkeypatch, varlen, state_v_first):
     calls = install(monkeypatch, reference_fwd)
-    call = inference_call(varlen=varlen, state_v_first=state_v_first, int32=varlen, flat_dt_bias=not varlen,
-                          with_A_log=not varlen)
+    call = inference_call(
+        varlen=varlen, state_v_first=state_v_first, int32=varlen, flat_dt_bias=not varlen, with_A_log=not varlen
+    )
     spec = KDASpec.from_call(**call)
     inputs = KDAInputs(**{n: call.get(n) for n in KDAInputs.__dataclass_fields__ if n in call})
     before = {n: t.clone() for n, t in call.items() if isinstance(t, torch.Tensor)}
-    out = KDAOutputs(o=torch.full((spec.B, spec.T, spec.HV, spec.V), float("nan"), dtype=torch.bfloat16),
-                     final_state=torch.full(spec.state_shape, float("nan")))
+    out = KDAOutputs(
+        o=torch.full((spec.B, spec.T, spec.HV, spec.V), float("nan"), dtype=torch.bfloat16),
+        final_state=torch.full(spec.state_shape, float("nan")),
+    )
     result = FlashKDABackend().forward(inputs, spec, out)
     assert calls["n"] == 1
     assert result.o is out.o and result.final_state is out.final_state
 
-    ref_call = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in call.items()}
+    ref_call = {
+        n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in call.items()
+    }
     o_ref, state_ref = kda_reference(**ref_call)
     assert relative_error(result.o, o_ref) < 5e-3  # bf16 output rounding only
     assert relative_error(result.final_state, state_ref) < 1e-6  # the state is fp32: layout errors show
@@ -214,9 +266,20 @@ def test_forward_converts_layouts_and_writes_every_output(seed, monkeypatch, var
 
 # ------------------------------------------------------------------------------------ verification
 
-INFERENCE = CaseClass(gate=GateMode.SAFE, qk_l2norm=True, beta="sigmoid", dtype="bfloat16", varlen=False,
-                      gva=False, initial_state=True, final_state=True, state_v_first=False, chunk_size=64,
-                      head_dim=128, training=False)
+INFERENCE = CaseClass(
+    gate=GateMode.SAFE,
+    qk_l2norm=True,
+    beta="sigmoid",
+    dtype="bfloat16",
+    varlen=False,
+    gva=False,
+    initial_state=True,
+    final_state=True,
+    state_v_first=False,
+    chunk_size=64,
+    head_dim=128,
+    training=False,
+)
 
 
 def test_a_flash_kda_that_imports_then_raises_is_caught(seed, monkeypatch, on_cpu):
@@ -244,13 +307,15 @@ def test_a_flash_kda_that_imports_then_raises_is_caught(seed, monkeypatch, on_cp
 
 @pytest.mark.parametrize("fault", ["garbage", "writes_nothing", "drops_initial_state"])
 def test_a_wrong_flash_kda_fails_verification(seed, monkeypatch, on_cpu, fault):
-    def faulty(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
-               final_state=None, cu_seqlens=None):
+    def faulty(
+        q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None
+    ):
         if fault == "writes_nothing":
             return
         if fault == "garbage":
-            reference_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                          cu_seqlens)
+            reference_fwd(
+                q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens
+            )
             out.mul_(1.05)  # 5% off: far above the 5e-3 tolerance, still plausible-looking numbers
             return
         reference_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, None, final_state, cu_seqlens)
@@ -273,12 +338,13 @@ def test_a_correct_flash_kda_passes_and_auto_uses_it(seed, monkeypatch, on_cpu):
     training = inference_call()
     training["q"].requires_grad_(True)
     with kda.trace_routes() as routes:
-        o, _ = kda.chunk_kda(**training)
+        _o, _ = kda.chunk_kda(**training)
     assert [r.backend for r in routes] == ["torch"]  # forward-only: never for a call that needs gradients
 
 
 def test_verifier_treats_training_classes_as_unsupported_for_forward_only(seed, monkeypatch, on_cpu):
     install(monkeypatch, reference_fwd)
-    result = verify_class(kda.get_backend("flashkda"), INFERENCE.model_copy(update={"training": True}), "cpu",
-                          quick=True)
+    result = verify_class(
+        kda.get_backend("flashkda"), INFERENCE.model_copy(update={"training": True}), "cpu", quick=True
+    )
     assert result.unsupported and "forward-only" in result.reason

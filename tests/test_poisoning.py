@@ -14,9 +14,20 @@ from kda.backends.torch import TorchBackend
 from kda.spec import CaseClass, GateMode
 from kda.verify import verify_class
 
-CASE = CaseClass(gate=GateMode.SAFE, qk_l2norm=True, beta="sigmoid", dtype="bfloat16", varlen=False, gva=False,
-                 initial_state=True, final_state=True, state_v_first=False, chunk_size=64, head_dim=64,
-                 training=False)
+CASE = CaseClass(
+    gate=GateMode.SAFE,
+    qk_l2norm=True,
+    beta="sigmoid",
+    dtype="bfloat16",
+    varlen=False,
+    gva=False,
+    initial_state=True,
+    final_state=True,
+    state_v_first=False,
+    chunk_size=64,
+    head_dim=64,
+    training=False,
+)
 
 
 class SkipsLastTokenIntoBuffer(TorchBackend):

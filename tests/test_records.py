@@ -30,12 +30,6 @@ from kda.verify.records import Record, RecordStore, default_store, fingerprint, 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-
-
-
-
-
-
 class Wrapped(kda.Backend):
     """The torch backend under another name; `scale` != 1 makes it wrong. Counts its calls."""
 
@@ -271,10 +265,13 @@ def _valid_failing_payload(key: str) -> str:
     """A well-formed file whose only record says torch *failed* this class (so the truncated file must not
     be half-read)."""
     backend = kda.get_backend("torch")
-    return json.dumps({
-        "fingerprint": fingerprint(backend, "cpu"),
-        "records": {key: asdict(record(key, passed=False, worst_ratio=3.0, reason="planted"))},
-    }, indent=1)
+    return json.dumps(
+        {
+            "fingerprint": fingerprint(backend, "cpu"),
+            "records": {key: asdict(record(key, passed=False, worst_ratio=3.0, reason="planted"))},
+        },
+        indent=1,
+    )
 
 
 CORRUPT = {
@@ -343,8 +340,11 @@ def test_record_with_wrongly_typed_field_is_no_record(seed, kind):
     path = _torch_record_path(call)
     path.parent.mkdir(parents=True, exist_ok=True)
     other_key = "softplus/l2/sig/fp32/dense/gva/h0+ht/c32/d64/fwd"
-    path.write_text(json.dumps({"records": {key: _fields(key, **WRONGLY_TYPED[kind]),
-                                            other_key: _fields(other_key, source="verify")}}))
+    path.write_text(
+        json.dumps(
+            {"records": {key: _fields(key, **WRONGLY_TYPED[kind]), other_key: _fields(other_key, source="verify")}}
+        )
+    )
     torch_backend = kda.get_backend("torch")
     assert default_store().get(torch_backend, "cpu", key) is None
     assert default_store().get(torch_backend, "cpu", other_key) is not None  # the good record stands
@@ -367,8 +367,15 @@ def test_record_with_string_passed_does_not_verify_a_wrong_backend(seed):
     key = case_key(call)
     path = default_store().path_for(wrong, torch.device("cpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"records": {key: {
-        "case_class": key, "passed": "false", "worst_ratio": 2.0, "source": "lazy", "quick": True}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "records": {
+                    key: {"case_class": key, "passed": "false", "worst_ratio": 2.0, "source": "lazy", "quick": True}
+                }
+            }
+        )
+    )
 
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call)
@@ -381,7 +388,7 @@ def test_corrupt_file_is_overwritten_by_the_next_put(tmp_path):
     backend = Wrapped()
     path = store.path_for(backend, "cpu")
     path.parent.mkdir(parents=True)
-    path.write_bytes(b"{\"records\": {\"a\": ")
+    path.write_bytes(b'{"records": {"a": ')
     assert store.load(backend, "cpu") == {}
     store.put(backend, "cpu", [record("k1")])
     data = json.loads(path.read_text())
@@ -409,9 +416,20 @@ def _writer(root: str, worker: int, barrier) -> None:
     backend = StoreOnlyBackend()
     barrier.wait(timeout=60)
     for i in range(20):
-        store.put(backend, "cpu", [Record(case_class=f"w{worker}/r{i:02d}", passed=(i + worker) % 2 == 0,
-                                          worst_ratio=worker + i / 100, source="verify", quick=False,
-                                          cases=[{"seed": worker * 1000 + i}])])
+        store.put(
+            backend,
+            "cpu",
+            [
+                Record(
+                    case_class=f"w{worker}/r{i:02d}",
+                    passed=(i + worker) % 2 == 0,
+                    worst_ratio=worker + i / 100,
+                    source="verify",
+                    quick=False,
+                    cases=[{"seed": worker * 1000 + i}],
+                )
+            ],
+        )
 
 
 def test_concurrent_writers_lose_nothing(tmp_path):
@@ -477,8 +495,14 @@ def test_record_round_trips_through_json_with_infinite_ratio(tmp_path):
 
 
 def test_record_from_json_ignores_unknown_fields():
-    data = {"case_class": "k", "passed": True, "worst_ratio": 0.5, "source": "verify", "quick": True,
-            "added_in_a_later_version": 1}
+    data = {
+        "case_class": "k",
+        "passed": True,
+        "worst_ratio": 0.5,
+        "source": "verify",
+        "quick": True,
+        "added_in_a_later_version": 1,
+    }
     data["when"] = 42.0
     assert Record.from_json(data) == Record("k", True, 0.5, "verify", True, when=42.0)
 

@@ -85,10 +85,25 @@ def explicit_recurrence(q, k, v, logdecay, beta, scale, h0, bounds):
     return o, torch.stack(finals)
 
 
-def independent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, l2=False, mode="pregated",
-                    A_log=None, dt_bias=None, lower_bound=None, beta_mode="given", state_v_first=False,
-                    cu_seqlens=None):
-    B, T, H, K = q.shape
+def independent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    l2=False,
+    mode="pregated",
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    beta_mode="given",
+    state_v_first=False,
+    cu_seqlens=None,
+):
+    B, T, _H, K = q.shape
     if l2:
         q, k = my_l2norm(q), my_l2norm(k)
     if beta_mode == "sigmoid":
@@ -106,8 +121,9 @@ def independent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, l2=Fals
     else:
         outs, finals = [], []
         for b in range(B):
-            o_b, S_b = explicit_recurrence(q[b], k[b], v[b], logdecay[b], beta[b], scale,
-                                           None if h0 is None else h0[b : b + 1], [0, T])
+            o_b, S_b = explicit_recurrence(
+                q[b], k[b], v[b], logdecay[b], beta[b], scale, None if h0 is None else h0[b : b + 1], [0, T]
+            )
             outs.append(o_b)
             finals.append(S_b)
         o, S = torch.stack(outs), torch.cat(finals)
@@ -159,13 +175,36 @@ def test_reference_matches_explicit_matrix_recurrence(name, seed):
     state_shape = (N, HV, V, K) if vk else (N, HV, K, V)
     h0 = torch.randn(*state_shape, dtype=F64)
 
-    o_ind, s_ind = independent_kda(q, k, v, g, beta, initial_state=h0, l2=l2, mode=gate_mode,
-                                   beta_mode=beta_mode, state_v_first=vk, cu_seqlens=cu, **kwargs)
+    o_ind, s_ind = independent_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        l2=l2,
+        mode=gate_mode,
+        beta_mode=beta_mode,
+        state_v_first=vk,
+        cu_seqlens=cu,
+        **kwargs,
+    )
     o_ref, s_ref = kda_reference(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2,
-        use_gate_in_kernel=gate_mode != "pregated", safe_gate=gate_mode == "safe",
-        use_beta_sigmoid_in_kernel=beta_mode != "given", allow_neg_eigval=beta_mode == "sigmoid2",
-        state_v_first=vk, cu_seqlens=cu, **kwargs,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=l2,
+        use_gate_in_kernel=gate_mode != "pregated",
+        safe_gate=gate_mode == "safe",
+        use_beta_sigmoid_in_kernel=beta_mode != "given",
+        allow_neg_eigval=beta_mode == "sigmoid2",
+        state_v_first=vk,
+        cu_seqlens=cu,
+        **kwargs,
     )
     assert o_ref.dtype == F64 and s_ref.dtype == F64
     assert o_ref.shape == (B, T, HV, V) and s_ref.shape == state_shape
@@ -210,8 +249,15 @@ def test_gva_uses_head_hv_div_group(seed):
     o_tiled, _ = kda_reference(q.repeat(1, 1, group, 1), k.repeat(1, 1, group, 1), v, g, beta, **common)
     assert rel_err(o_tiled, o_mha) > 1e-3
     # and head by head: value head 4 (group 3) is q/k head 1 alone
-    o_one, _ = kda_reference(q[:, :, 1:2], k[:, :, 1:2], v[:, :, 4:5], g[:, :, 4:5], beta[:, :, 4:5],
-                             initial_state=h0[:, 4:5], use_qk_l2norm_in_kernel=True)
+    o_one, _ = kda_reference(
+        q[:, :, 1:2],
+        k[:, :, 1:2],
+        v[:, :, 4:5],
+        g[:, :, 4:5],
+        beta[:, :, 4:5],
+        initial_state=h0[:, 4:5],
+        use_qk_l2norm_in_kernel=True,
+    )
     assert rel_err(o_gva[:, :, 4:5], o_one) < 1e-13
 
 
@@ -227,8 +273,9 @@ def test_state_v_first_transposes_initial_and_final_state(seed):
     h0 = torch.randn(B, H, K, V, dtype=F64)
     common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_kv, s_kv = kda_reference(q, k, v, g, beta, initial_state=h0, **common)
-    o_vk, s_vk = kda_reference(q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(),
-                               state_v_first=True, **common)
+    o_vk, s_vk = kda_reference(
+        q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(), state_v_first=True, **common
+    )
     assert s_kv.shape == (B, H, K, V) and s_vk.shape == (B, H, V, K)
     assert torch.equal(o_kv, o_vk)
     assert torch.equal(s_vk, s_kv.transpose(-1, -2))
@@ -237,8 +284,16 @@ def test_state_v_first_transposes_initial_and_final_state(seed):
     assert rel_err(o_zero, o_kv) > 1e-3
     # with no tokens' worth of change (k=0, g=0): the final state is the initial one, in the call's layout
     zk = torch.zeros_like(k)
-    _, s_id = kda_reference(q, zk, v, torch.zeros_like(g), beta, initial_state=h0.transpose(-1, -2),
-                            state_v_first=True, output_final_state=True)
+    _, s_id = kda_reference(
+        q,
+        zk,
+        v,
+        torch.zeros_like(g),
+        beta,
+        initial_state=h0.transpose(-1, -2),
+        state_v_first=True,
+        output_final_state=True,
+    )
     assert torch.equal(s_id, h0.transpose(-1, -2))
 
 
@@ -276,11 +331,14 @@ def test_softplus_gate_is_per_head():
     A_log = torch.tensor([0.0, math.log(3.0), math.log(0.5)], dtype=F64)
     dt_bias = torch.tensor([0.0, 0.0, 1.0, 1.0, -2.0, 5.0], dtype=F64)
     out = softplus_gate(g, A_log, dt_bias)[0, 0]
-    expected = torch.tensor([
-        [-math.log(2.0), -math.log(2.0)],
-        [-3 * math.log1p(math.e), -3 * math.log1p(math.e)],
-        [-0.5 * math.log1p(math.exp(-2.0)), -0.5 * math.log1p(math.exp(5.0))],
-    ], dtype=F64)
+    expected = torch.tensor(
+        [
+            [-math.log(2.0), -math.log(2.0)],
+            [-3 * math.log1p(math.e), -3 * math.log1p(math.e)],
+            [-0.5 * math.log1p(math.exp(-2.0)), -0.5 * math.log1p(math.exp(5.0))],
+        ],
+        dtype=F64,
+    )
     assert torch.allclose(out, expected, rtol=0, atol=1e-14)
     out2 = softplus_gate(g, A_log, dt_bias.reshape(HV, K))[0, 0]
     assert torch.equal(out, out2)
@@ -307,8 +365,9 @@ def test_safe_gate_hand_values():
 def test_log_decay_dispatches_gate_modes():
     g = torch.full((1, 1, 1, 2), 0.7, dtype=F64)
     A_log = torch.zeros(1, dtype=F64)
-    assert torch.equal(log_decay(g, use_gate_in_kernel=False, safe_gate_on=False, A_log=None, dt_bias=None,
-                                 lower_bound=None), g)
+    assert torch.equal(
+        log_decay(g, use_gate_in_kernel=False, safe_gate_on=False, A_log=None, dt_bias=None, lower_bound=None), g
+    )
     sp = log_decay(g, use_gate_in_kernel=True, safe_gate_on=False, A_log=A_log, dt_bias=None, lower_bound=None)
     assert torch.allclose(sp, torch.full_like(g, -math.log1p(math.exp(0.7))), rtol=0, atol=1e-15)
     sf = log_decay(g, use_gate_in_kernel=True, safe_gate_on=True, A_log=A_log, dt_bias=None, lower_bound=-2.0)
@@ -326,8 +385,10 @@ def test_gate_end_to_end_through_recurrence(seed):
     g = torch.zeros(1, 1, 1, K, dtype=F64)
     scale = 0.3
     cases = [
-        (dict(use_gate_in_kernel=True, A_log=torch.zeros(1, dtype=F64), dt_bias=torch.zeros(K, dtype=F64)),
-         -math.log(2.0)),
+        (
+            dict(use_gate_in_kernel=True, A_log=torch.zeros(1, dtype=F64), dt_bias=torch.zeros(K, dtype=F64)),
+            -math.log(2.0),
+        ),
         (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0), -2.5),
         (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-0.01, A_log=torch.zeros(1, dtype=F64)), -0.005),
     ]
@@ -347,8 +408,9 @@ def test_l2norm_eps():
     assert torch.equal(l2norm(torch.zeros(4, dtype=F64)), torch.zeros(4, dtype=F64))  # no NaN at zero
     # over the last dimension only
     m = torch.tensor([[3.0, 4.0], [0.0, 2.0]], dtype=F64)
-    expected = torch.tensor([[0.6, 0.8], [0.0, 1.0]], dtype=F64) * torch.tensor([[5 / math.sqrt(25 + 1e-6)],
-                                                                                [2 / math.sqrt(4 + 1e-6)]], dtype=F64)
+    expected = torch.tensor([[0.6, 0.8], [0.0, 1.0]], dtype=F64) * torch.tensor(
+        [[5 / math.sqrt(25 + 1e-6)], [2 / math.sqrt(4 + 1e-6)]], dtype=F64
+    )
     assert torch.allclose(l2norm(m), expected, rtol=1e-15, atol=0)
 
 
@@ -381,8 +443,11 @@ def test_beta_flags_in_reference(seed):
     g = -torch.rand(1, 1, 1, K, dtype=F64)
     raw = torch.tensor([[[0.8]]], dtype=F64)
     qk = (q[0, 0, 0] @ k[0, 0, 0]).item()
-    for flags, b in [({}, 0.8), ({"use_beta_sigmoid_in_kernel": True}, 1 / (1 + math.exp(-0.8))),
-                     ({"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}, 2 / (1 + math.exp(-0.8)))]:
+    for flags, b in [
+        ({}, 0.8),
+        ({"use_beta_sigmoid_in_kernel": True}, 1 / (1 + math.exp(-0.8))),
+        ({"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}, 2 / (1 + math.exp(-0.8))),
+    ]:
         o, _ = kda_reference(q, k, v, g, raw, scale=1.0, **flags)
         assert torch.allclose(o[0, 0, 0], b * qk * v[0, 0, 0], rtol=1e-14, atol=1e-15)
 
@@ -405,7 +470,9 @@ def test_default_scale_and_output_read_after_update(K, seed):
     # t = 1 by hand, with the explicit update
     S1 = beta[0, 0, 0] * torch.outer(k[0, 0, 0], v[0, 0, 0])
     k1, b1 = k[0, 1, 0], beta[0, 1, 0]
-    S2 = (torch.eye(K, dtype=F64) - b1 * torch.outer(k1, k1)) @ torch.diag(g[0, 1, 0].exp()) @ S1 + b1 * torch.outer(k1, v[0, 1, 0])
+    S2 = (torch.eye(K, dtype=F64) - b1 * torch.outer(k1, k1)) @ torch.diag(g[0, 1, 0].exp()) @ S1 + b1 * torch.outer(
+        k1, v[0, 1, 0]
+    )
     assert torch.allclose(o[0, 1, 0], K**-0.5 * S2.T @ q[0, 1, 0], rtol=1e-12, atol=1e-14)
 
 
@@ -434,8 +501,9 @@ def test_varlen_empty_sequence_passes_state_through(index_dtype, seed):
         if length == 0:
             continue
         span = slice(bounds[n], bounds[n + 1])
-        o_n, s_n = kda_reference(q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span],
-                                 initial_state=h0[n : n + 1], **common)
+        o_n, s_n = kda_reference(
+            q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span], initial_state=h0[n : n + 1], **common
+        )
         assert torch.equal(o[:, span], o_n)
         assert torch.equal(s[n : n + 1], s_n)
         assert not torch.allclose(s_n[0], h0[n])  # a non-empty sequence does change its state

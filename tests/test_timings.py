@@ -28,15 +28,18 @@ class Faster(TorchBackend):
 
 def call(T: int = 40, H: int = 2, K: int = 16) -> dict[str, Any]:
     return {
-        "q": F.normalize(torch.randn(1, T, H, K), dim=-1), "k": F.normalize(torch.randn(1, T, H, K), dim=-1),
-        "v": torch.randn(1, T, H, K), "g": F.logsigmoid(torch.randn(1, T, H, K) + 1.0),
+        "q": F.normalize(torch.randn(1, T, H, K), dim=-1),
+        "k": F.normalize(torch.randn(1, T, H, K), dim=-1),
+        "v": torch.randn(1, T, H, K),
+        "g": F.logsigmoid(torch.randn(1, T, H, K) + 1.0),
         "beta": torch.rand(1, T, H) * 0.9 + 0.05,
     }
 
 
 def point(**changes: Any) -> ShapePoint:
-    base = dict(training=False, gate="pregated", dtype="float32", K=16, V=16, varlen=False, tokens=40, heads=2,
-                mean_len=40.0)
+    base = dict(
+        training=False, gate="pregated", dtype="float32", K=16, V=16, varlen=False, tokens=40, heads=2, mean_len=40.0
+    )
     return ShapePoint(**{**base, **changes})
 
 
@@ -71,8 +74,12 @@ def test_without_a_table_priority_decides():
 def test_the_table_makes_auto_use_the_fastest_verified_backend(seed):
     kda.register_backend(Faster)
     spec = kda.KDASpec.from_call(**call())
-    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"torch": Measurement(2.0, TORCH_VERSION),
-                                                             "faster": Measurement(1.0, "3")})
+    timings.record(
+        "cpu",
+        "tiny / fwd",
+        ShapePoint.of(spec),
+        {"torch": Measurement(2.0, TORCH_VERSION), "faster": Measurement(1.0, "3")},
+    )
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call())
     assert [r.backend for r in routes] == ["faster"]
@@ -102,8 +109,12 @@ def test_a_timing_never_makes_an_unverified_backend_usable(seed):
 
     kda.register_backend(Wrong)
     spec = kda.KDASpec.from_call(**call())
-    timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"wrong": Measurement(0.1, "3"),
-                                                             "torch": Measurement(2.0, TORCH_VERSION)})
+    timings.record(
+        "cpu",
+        "tiny / fwd",
+        ShapePoint.of(spec),
+        {"wrong": Measurement(0.1, "3"), "torch": Measurement(2.0, TORCH_VERSION)},
+    )
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call())
     assert [r.backend for r in routes] == ["torch"]
@@ -124,9 +135,13 @@ def test_stale_or_corrupt_tables_fall_back_to_priority(seed):
     assert timings.rank(spec, [("torch", TORCH_VERSION, 0), ("faster", "3", -5)])[0] == ["faster", "torch"]
 
     good = path.read_text()
-    for broken in ("{not json", json.dumps({"fingerprint": {}, "entries": []}),
-                   good.replace('"ms": 1.0', '"ms": "fast"'), good.replace('"ms": 1.0', '"ms": -1.0'),
-                   json.dumps({"entries": []})):
+    for broken in (
+        "{not json",
+        json.dumps({"fingerprint": {}, "entries": []}),
+        good.replace('"ms": 1.0', '"ms": "fast"'),
+        good.replace('"ms": 1.0', '"ms": -1.0'),
+        json.dumps({"entries": []}),
+    ):
         path.write_text(broken)
         assert timings.load("cpu") is None, broken
         with kda.trace_routes() as routes:

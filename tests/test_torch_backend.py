@@ -28,8 +28,16 @@ from kda.verify.cases import VerificationCase, make_inputs
 from kda.verify.check import relative_error, tolerance
 
 DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-GRAD_NAME = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log",
-             "dt_bias": "ddt_bias", "initial_state": "dinitial_state"}
+GRAD_NAME = {
+    "q": "dq",
+    "k": "dk",
+    "v": "dv",
+    "g": "dg",
+    "beta": "dbeta",
+    "A_log": "dA_log",
+    "dt_bias": "ddt_bias",
+    "initial_state": "dinitial_state",
+}
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -99,10 +107,17 @@ def draw(cfg: Cfg, training: bool = True) -> tuple[dict[str, Any], dict[str, tor
         if not cfg.no_A_log:
             kw["A_log"] = A_log
     kw.update(
-        q=q.to(cfg.dtype), k=k.to(cfg.dtype), v=v.to(cfg.dtype), g=g.to(cfg.g_dtype or cfg.dtype),
-        beta=beta.to(cfg.dtype), use_qk_l2norm_in_kernel=cfg.l2,
-        use_beta_sigmoid_in_kernel=cfg.beta != "given", allow_neg_eigval=cfg.beta == "sigmoid2",
-        output_final_state=cfg.ht, state_v_first=cfg.vk, chunk_size=cfg.chunk,
+        q=q.to(cfg.dtype),
+        k=k.to(cfg.dtype),
+        v=v.to(cfg.dtype),
+        g=g.to(cfg.g_dtype or cfg.dtype),
+        beta=beta.to(cfg.dtype),
+        use_qk_l2norm_in_kernel=cfg.l2,
+        use_beta_sigmoid_in_kernel=cfg.beta != "given",
+        allow_neg_eigval=cfg.beta == "sigmoid2",
+        output_final_state=cfg.ht,
+        state_v_first=cfg.vk,
+        chunk_size=cfg.chunk,
     )
     if cfg.scale is not None:
         kw["scale"] = cfg.scale
@@ -158,7 +173,8 @@ def reference(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], wanted:
 def run_torch(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor] | None):
     """`chunk_kda(backend="torch")` with every structural assertion; returns outputs and `.grad`s."""
     training = upstream is not None and any(
-        isinstance(kwargs.get(n), torch.Tensor) and kwargs[n].requires_grad for n in DIFFERENTIABLE)
+        isinstance(kwargs.get(n), torch.Tensor) and kwargs[n].requires_grad for n in DIFFERENTIABLE
+    )
     snapshot = {n: t.detach().clone() for n, t in kwargs.items() if isinstance(t, torch.Tensor)}
     q = kwargs["q"]
     with kda.trace_routes() as routes:
@@ -207,8 +223,11 @@ def run_torch(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor] | None):
 def check(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor] | None, dtype_name: str | None = None):
     """Run the torch backend and the reference and compare every output and gradient."""
     dtype_name = dtype_name or DTYPE_NAME[kwargs["q"].dtype]
-    wanted = [] if upstream is None else [
-        n for n in DIFFERENTIABLE if isinstance(kwargs.get(n), torch.Tensor) and kwargs[n].requires_grad]
+    wanted = (
+        []
+        if upstream is None
+        else [n for n in DIFFERENTIABLE if isinstance(kwargs.get(n), torch.Tensor) and kwargs[n].requires_grad]
+    )
     got = run_torch(kwargs, upstream)
     ref = reference(kwargs, upstream or {}, wanted)
     compared = []
@@ -239,8 +258,9 @@ GATES = {
     "safe-lb-near-0": Cfg(gate="safe", lower_bound=-0.01, dtype=torch.float16),
     "safe-lb-near-0-extreme": Cfg(gate="safe", lower_bound=-0.01, regime="extreme"),
     "safe-no-A_log": Cfg(gate="safe", lower_bound=-5.0, no_A_log=True, dt_2d=True),
-    "safe-no-A_log-bf16-extreme": Cfg(gate="safe", lower_bound=-2.0, no_A_log=True, regime="extreme",
-                                      dtype=torch.bfloat16),
+    "safe-no-A_log-bf16-extreme": Cfg(
+        gate="safe", lower_bound=-2.0, no_A_log=True, regime="extreme", dtype=torch.bfloat16
+    ),
 }
 
 
@@ -262,7 +282,7 @@ def test_qk_l2norm_and_beta_modes(l2, beta, seed):
 def test_l2norm_flag_is_applied(seed):
     """Unnormalised q, k with l2norm off give a different answer than with it on (so the flag is real),
     and each matches the reference."""
-    kw, up = draw(Cfg(l2=True, h0=False, ht=True), training=False)
+    kw, _up = draw(Cfg(l2=True, h0=False, ht=True), training=False)
     q, k = kw["q"] * 3, kw["k"] * 0.5
     on, _ = check({**kw, "q": q, "k": k}, None)
     off_kw = {**kw, "q": F.normalize(q, dim=-1), "k": F.normalize(k, dim=-1), "use_qk_l2norm_in_kernel": False}
@@ -275,10 +295,26 @@ def test_l2norm_flag_is_applied(seed):
 VARLEN = {
     "int32": Cfg(seq_lens=(37, 1, 0, 33, 20), cu_dtype=torch.int32, B=1),
     "int64-cpu-copy": Cfg(seq_lens=(37, 1, 0, 33, 20), cu_dtype=torch.int64, cu_cpu=True, B=1),
-    "int32-cpu-copy-gva-vk": Cfg(seq_lens=(0, 45, 1, 19), cu_dtype=torch.int32, cu_cpu=True, group=2, vk=True,
-                                 dtype=torch.bfloat16, gate="safe", lower_bound=-5.0, beta="sigmoid"),
-    "int64-c64-softplus": Cfg(seq_lens=(70, 0, 1, 29), cu_dtype=torch.int64, chunk=64, gate="softplus",
-                              dtype=torch.float16, beta="sigmoid2", l2=False),
+    "int32-cpu-copy-gva-vk": Cfg(
+        seq_lens=(0, 45, 1, 19),
+        cu_dtype=torch.int32,
+        cu_cpu=True,
+        group=2,
+        vk=True,
+        dtype=torch.bfloat16,
+        gate="safe",
+        lower_bound=-5.0,
+        beta="sigmoid",
+    ),
+    "int64-c64-softplus": Cfg(
+        seq_lens=(70, 0, 1, 29),
+        cu_dtype=torch.int64,
+        chunk=64,
+        gate="softplus",
+        dtype=torch.float16,
+        beta="sigmoid2",
+        l2=False,
+    ),
     "int32-no-state": Cfg(seq_lens=(5, 0, 40), h0=False, ht=False, cu_dtype=torch.int32, regime="extreme"),
     # no initial state: the empty sequences end at a zero state
     "int64-final-state-only": Cfg(seq_lens=(0, 40, 1, 0, 7), h0=False, ht=True, group=2, cu_dtype=torch.int64),
@@ -290,8 +326,15 @@ def test_varlen(name, seed):
     check(*draw(VARLEN[name]))
 
 
-STATES = [(True, True, False), (True, True, True), (True, False, True), (False, True, True),
-          (False, True, False), (False, False, False), (True, False, False)]
+STATES = [
+    (True, True, False),
+    (True, True, True),
+    (True, False, True),
+    (False, True, True),
+    (False, True, False),
+    (False, False, False),
+    (True, False, False),
+]
 
 
 @pytest.mark.parametrize("h0,ht,vk", STATES, ids=[f"h0={a}-ht={b}-vk={c}" for a, b, c in STATES])
@@ -302,7 +345,7 @@ def test_state_layouts(h0, ht, vk, seed):
 
 def test_state_layouts_agree(seed):
     """The same call in both layouts: final states are transposes of each other, outputs are equal."""
-    kw, up = draw(Cfg(K=16, V=8, vk=False), training=False)
+    kw, _up = draw(Cfg(K=16, V=8, vk=False), training=False)
     kv, _ = check(kw, None)
     vk_kw = {**kw, "state_v_first": True, "initial_state": kw["initial_state"].transpose(-1, -2).contiguous()}
     vk, _ = check(vk_kw, None)
@@ -342,15 +385,17 @@ def test_beta_dtype_differs_from_q(seed):
 
 
 def test_head_dim_64(seed):
-    check(*draw(Cfg(K=64, V=64, B=1, T=80, chunk=64, gate="safe", lower_bound=-5.0, beta="sigmoid",
-                    dtype=torch.bfloat16)))
+    check(
+        *draw(Cfg(K=64, V=64, B=1, T=80, chunk=64, gate="safe", lower_bound=-5.0, beta="sigmoid", dtype=torch.bfloat16))
+    )
 
 
 def test_explicit_scale(seed):
     kw, up = draw(Cfg(scale=0.37))
     got, _ = check(kw, up)
-    default, _ = check({**{n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in kw.items()},
-                        "scale": None}, None)
+    default, _ = check(
+        {**{n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}, "scale": None}, None
+    )
     assert relative_error(got["o"], default["o"].double()) > 0.1  # 0.37 != 16 ** -0.5
 
 
@@ -369,9 +414,8 @@ def test_grad_only_for_tensors_that_require_it(frozen, seed):
 def test_forward_only_under_no_grad(seed):
     """Inputs requiring grad under torch.no_grad(): a forward-only call, one forward route, no graph."""
     kw, _ = draw(Cfg(gate="safe", lower_bound=-1.0))
-    with torch.no_grad():
-        with kda.trace_routes() as routes:
-            o, s = kda.chunk_kda(**kw, backend="torch")
+    with torch.no_grad(), kda.trace_routes() as routes:
+        o, s = kda.chunk_kda(**kw, backend="torch")
     assert [(r.backend, r.phase) for r in routes] == [("torch", "forward")]
     assert routes[0].case_class.endswith("/fwd")
     assert o.grad_fn is None and not o.requires_grad and s.dtype == torch.float32
@@ -382,8 +426,7 @@ def test_forward_only_under_no_grad(seed):
 
 def test_forward_only_inputs(seed):
     """No input requires grad: forward route only, compared to the reference (bf16, varlen, GVA)."""
-    kw, _ = draw(Cfg(dtype=torch.bfloat16, seq_lens=(50, 0, 1, 13), group=2, vk=True, gate="softplus"),
-                 training=False)
+    kw, _ = draw(Cfg(dtype=torch.bfloat16, seq_lens=(50, 0, 1, 13), group=2, vk=True, gate="softplus"), training=False)
     check(kw, None)
 
 
@@ -391,28 +434,109 @@ def test_forward_only_inputs(seed):
 
 CASES = [
     # (gate, qk_l2norm, beta, dtype, varlen, gva, h0, ht, vk, chunk, regime, K, V, seq_lens, g_dtype, 2d, noA)
-    ("pregated", False, "given", "float32", False, True, True, True, False, 32, "extreme", 16, 8, (93,), "float32",
-     False, False),
-    ("softplus", True, "sigmoid", "bfloat16", True, False, True, True, True, 32, "extreme", 16, 8,
-     (91, 1, 0, 33), "float32", True, False),
-    ("safe", True, "sigmoid2", "float16", False, False, True, True, False, 64, "extreme", 8, 16, (70,), "float16",
-     False, False),
-    ("safe", False, "sigmoid", "bfloat16", True, True, True, True, True, 32, "near_zero_bound", 16, 8,
-     (29, 0, 64, 5), "float32", True, True),
+    (
+        "pregated",
+        False,
+        "given",
+        "float32",
+        False,
+        True,
+        True,
+        True,
+        False,
+        32,
+        "extreme",
+        16,
+        8,
+        (93,),
+        "float32",
+        False,
+        False,
+    ),
+    (
+        "softplus",
+        True,
+        "sigmoid",
+        "bfloat16",
+        True,
+        False,
+        True,
+        True,
+        True,
+        32,
+        "extreme",
+        16,
+        8,
+        (91, 1, 0, 33),
+        "float32",
+        True,
+        False,
+    ),
+    (
+        "safe",
+        True,
+        "sigmoid2",
+        "float16",
+        False,
+        False,
+        True,
+        True,
+        False,
+        64,
+        "extreme",
+        8,
+        16,
+        (70,),
+        "float16",
+        False,
+        False,
+    ),
+    (
+        "safe",
+        False,
+        "sigmoid",
+        "bfloat16",
+        True,
+        True,
+        True,
+        True,
+        True,
+        32,
+        "near_zero_bound",
+        16,
+        8,
+        (29, 0, 64, 5),
+        "float32",
+        True,
+        True,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[10]}-{c[3]}" for c in CASES])
 def test_verification_case_inputs(case, seed):
     gate, l2, beta, dtype, varlen, gva, h0, ht, vk, chunk, regime, K, V, lens, g_dtype, dt2d, noA = case
-    cc = CaseClass(gate=GateMode(gate), qk_l2norm=l2, beta=beta, dtype=dtype, varlen=varlen, gva=gva,
-                   initial_state=h0, final_state=ht, state_v_first=vk, chunk_size=chunk, head_dim=64, training=True)
+    cc = CaseClass(
+        gate=GateMode(gate),
+        qk_l2norm=l2,
+        beta=beta,
+        dtype=dtype,
+        varlen=varlen,
+        gva=gva,
+        initial_state=h0,
+        final_state=ht,
+        state_v_first=vk,
+        chunk_size=chunk,
+        head_dim=64,
+        training=True,
+    )
     H = 2
     HV = 2 * H if gva else H
     B = 1 if varlen else 2
     seq_lens = lens if varlen else (lens[0],) * B
-    vc = VerificationCase(cc, regime, B, H, HV, K, V, seq_lens, g_dtype, dt_bias_2d=dt2d,
-                          safe_without_A_log=noA, seed=seed)
+    vc = VerificationCase(
+        cc, regime, B, H, HV, K, V, seq_lens, g_dtype, dt_bias_2d=dt2d, safe_without_A_log=noA, seed=seed
+    )
     kw, up = make_inputs(vc, "cpu")
     if regime == "near_zero_bound":
         assert kw["lower_bound"] == -0.01
@@ -430,8 +554,10 @@ def test_writes_every_element_of_nan_poisoned_outputs(seed):
     kw, _ = draw(Cfg(seq_lens=(37, 0, 1, 20), vk=True, group=2, dtype=torch.bfloat16), training=False)
     spec = KDASpec.from_call(**kw)
     inputs = KDAInputs(**{f.name: kw.get(f.name) for f in fields(KDAInputs)})
-    out = KDAOutputs(o=torch.full((1, 58, 4, 8), float("nan"), dtype=torch.bfloat16),
-                     final_state=torch.full(spec.state_shape, float("nan")))
+    out = KDAOutputs(
+        o=torch.full((1, 58, 4, 8), float("nan"), dtype=torch.bfloat16),
+        final_state=torch.full(spec.state_shape, float("nan")),
+    )
     result = TorchBackend().forward(inputs, spec, out)
     assert result.o.data_ptr() == out.o.data_ptr()
     assert result.final_state.data_ptr() == out.final_state.data_ptr()
@@ -477,12 +603,17 @@ def test_chunk_size_does_not_change_the_result(seed):
     """Chunk 32 and chunk 64 compute the same function: outputs and gradients agree to fp32 precision."""
     kw, up = draw(Cfg(T=150, B=1, group=2, gate="safe", lower_bound=-5.0, beta="sigmoid", chunk=32))
     r32 = run_torch(kw, up)
-    kw64 = {n: (t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t)
-            for n, t in kw.items()}
+    kw64 = {
+        n: (t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t)
+        for n, t in kw.items()
+    }
     kw64["chunk_size"] = 64
     r64 = run_torch(kw64, up)
-    assert set(r32) == set(r64) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias",
-                                    "dinitial_state"}
+    assert (
+        set(r32)
+        == set(r64)
+        == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state"}
+    )
     for name in r32:
         err = relative_error(r32[name], r64[name].double())
         assert err < 2e-5, f"{name}: chunk 32 vs 64 differ by {err:.2e}"
@@ -543,11 +674,18 @@ def test_gradcheck_float64(name, seed):
     B, T = (1, 11) if varlen else (1, 10)
     d = torch.float64
     leaves: dict[str, torch.Tensor] = {
-        "q": torch.randn(B, T, H, K, dtype=d), "k": torch.randn(B, T, H, K, dtype=d),
-        "v": torch.randn(B, T, HV, V, dtype=d), "beta": torch.randn(B, T, HV, dtype=d),
+        "q": torch.randn(B, T, H, K, dtype=d),
+        "k": torch.randn(B, T, H, K, dtype=d),
+        "v": torch.randn(B, T, HV, V, dtype=d),
+        "beta": torch.randn(B, T, HV, dtype=d),
     }
-    flags: dict[str, Any] = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                 output_final_state=True, state_v_first=vk, chunk_size=32)
+    flags: dict[str, Any] = dict(
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        output_final_state=True,
+        state_v_first=vk,
+        chunk_size=32,
+    )
     if gate == "pregated":
         leaves["g"] = -torch.rand(B, T, HV, K, dtype=d) * 0.5 - 0.05
     else:
@@ -573,8 +711,11 @@ def test_gradcheck_float64(name, seed):
     o, state = fn(*args)
     assert o.dtype == torch.float64 and state.shape == spec.state_shape
     # the function is the reference's, in float64 (so gradcheck checks gradients of the right function)
-    ref_o, ref_s = kda_reference(**{n: t.detach() for n, t in leaves.items()}, cu_seqlens=cu,
-                                 **{f: v for f, v in flags.items() if f != "chunk_size"})
+    ref_o, ref_s = kda_reference(
+        **{n: t.detach() for n, t in leaves.items()},
+        cu_seqlens=cu,
+        **{f: v for f, v in flags.items() if f != "chunk_size"},
+    )
     assert relative_error(o, ref_o) < 1e-10 and relative_error(state, ref_s) < 1e-10
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6, rtol=1e-4)
 
@@ -587,9 +728,8 @@ def test_autocast_around_the_call_changes_nothing(seed):
     v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
     g = F.logsigmoid(torch.randn(B, T, H, K))
     plain, _ = kda.chunk_kda(q, k, v, g, beta, backend="torch")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with kda.trace_routes() as routes:
-            under_autocast, _ = kda.chunk_kda(q, k, v, g, beta, backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16), kda.trace_routes() as routes:
+        under_autocast, _ = kda.chunk_kda(q, k, v, g, beta, backend="torch")
     assert [r.backend for r in routes] == ["torch"]
     assert under_autocast.dtype == torch.float32
     assert torch.equal(plain, under_autocast)
@@ -603,9 +743,20 @@ def test_saturated_softplus_gates_in_fp32_training(seed, pinned):
     the triton backend's random cases); with Gamma in float64 it is ~1e-5."""
     from kda.verify.check import run_case
 
-    cc = CaseClass(gate=GateMode.SOFTPLUS, qk_l2norm=False, beta="sigmoid", dtype="float32", varlen=False,
-                   gva=False, initial_state=True, final_state=True, state_v_first=False, chunk_size=64,
-                   head_dim=64, training=True)
+    cc = CaseClass(
+        gate=GateMode.SOFTPLUS,
+        qk_l2norm=False,
+        beta="sigmoid",
+        dtype="float32",
+        varlen=False,
+        gva=False,
+        initial_state=True,
+        final_state=True,
+        state_v_first=False,
+        chunk_size=64,
+        head_dim=64,
+        training=True,
+    )
     case_seed = 1308272535 if pinned else seed
     case = VerificationCase(cc, "extreme", 1, 1, 1, 5, 31, (123,), "float32", seed=case_seed)
     result = run_case(TorchBackend(), case, "cpu")

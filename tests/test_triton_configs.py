@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is not installed (extra `triton`)")
 
-from test_triton_backend import case_class, interpreter, small_case  # noqa: E402, F401  (the fixture too)
+from test_triton_backend import case_class, interpreter, small_case  # noqa: F401  (the fixture too)
 
-from kda.spec import GateMode  # noqa: E402
-from kda.verify.check import run_case  # noqa: E402
+from kda.spec import GateMode
+from kda.verify.check import run_case
 
 VARIANTS = [
     {"intra_block_w": 16, "intra_stages": 1, "gate_block_k": 16},
@@ -22,8 +22,10 @@ VARIANTS = [
     {"intra_block_k": 8},
 ]
 # The score products summed over K steps (intra_block_k) have their own l2norm handling: also run without.
-CASES = {"softplus-l2-varlen-gva": dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True),
-         "pregated-no-l2": dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given")}
+CASES = {
+    "softplus-l2-varlen-gva": dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True),
+    "pregated-no-l2": dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given"),
+}
 
 
 def _launch_with(monkeypatch, change: dict) -> list:
@@ -42,9 +44,11 @@ def _launch_with(monkeypatch, change: dict) -> list:
     return chosen
 
 
-@pytest.mark.parametrize("change, case", [(c, "softplus-l2-varlen-gva") for c in VARIANTS]
-                         + [({"intra_block_k": 8}, "pregated-no-l2")],
-                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else x)
+@pytest.mark.parametrize(
+    "change, case",
+    [(c, "softplus-l2-varlen-gva") for c in VARIANTS] + [({"intra_block_k": 8}, "pregated-no-l2")],
+    ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else x,
+)
 def test_launch_settings_leave_the_numbers_alone(seed, interpreter, monkeypatch, change, case):  # noqa: F811
     from kda.backends.triton import configs
 
@@ -72,8 +76,7 @@ def test_training_launch_settings_leave_the_gradients_alone(seed, interpreter, m
     result = run_case(interpreter, small_case(cc, "extreme", K=32, V=48, seed=seed), "cpu")
     assert result.passed, (result.reason, result.errors)
     assert chosen and all(configs.intra_block_w(c, 32, 64, training=True) == 16 for c in chosen)
-    assert all(configs.intra_block_k(c, 32, training=True) == 8 and configs.intra_block_k(c, 32) == 32
-               for c in chosen)
+    assert all(configs.intra_block_k(c, 32, training=True) == 8 and configs.intra_block_k(c, 32) == 32 for c in chosen)
 
 
 def test_training_takes_its_own_intra_columns_on_sm90():

@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (extra `triton`)")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from test_triton_backend import interpreter  # noqa: E402, F401  (the fixture)
+import triton
+import triton.language as tl
+from test_triton_backend import interpreter  # noqa: F401  (the fixture)
 
-from kda.backends.triton import intra  # noqa: E402
+from kda.backends.triton import intra
 
 BC = 16
 BOUND = 2e-5  # relative to the inverse's largest entry; forward substitution in fp32 gets ~5e-7 here

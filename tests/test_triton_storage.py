@@ -8,12 +8,12 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (extra `triton`)")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from test_triton_backend import interpreter  # noqa: E402, F401  (the fixture)
+import triton
+import triton.language as tl
+from test_triton_backend import interpreter  # noqa: F401  (the fixture)
 
-import kda  # noqa: E402
-from kda.backends.triton import storage  # noqa: E402
+import kda
+from kda.backends.triton import storage
 
 
 @triton.jit
@@ -25,8 +25,14 @@ def _store_kernel(x, out, N: tl.constexpr, ROUND: tl.constexpr):
 def _spec(dtype: torch.dtype, training: bool) -> kda.KDASpec:
     B, T, H, K = 1, 8, 2, 16
     q = torch.randn(B, T, H, K, dtype=dtype)
-    return kda.KDASpec.from_call(q=q, k=q, v=q, g=-torch.rand(B, T, H, K, dtype=dtype), beta=torch.rand(B, T, H,
-                                 dtype=dtype), requires_grad=training)
+    return kda.KDASpec.from_call(
+        q=q,
+        k=q,
+        v=q,
+        g=-torch.rand(B, T, H, K, dtype=dtype),
+        beta=torch.rand(B, T, H, dtype=dtype),
+        requires_grad=training,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -53,8 +53,14 @@ def emulate_gpu_dots(monkeypatch) -> None:
         if a.data.dtype != np.float32 or b.data.dtype != np.float32:
             return exact(self, a, b, d, input_precision, max_num_imprecise_acc)
         if input_precision == ir.INPUT_PRECISION.TF32:
-            return exact(self, handle(truncate_to_tf32(a.data), a), handle(truncate_to_tf32(b.data), b), d,
-                         input_precision, max_num_imprecise_acc)
+            return exact(
+                self,
+                handle(truncate_to_tf32(a.data), a),
+                handle(truncate_to_tf32(b.data), b),
+                d,
+                input_precision,
+                max_num_imprecise_acc,
+            )
         if input_precision == ir.INPUT_PRECISION.TF32x3:
             # Triton's F32DotTC pass: big = cvt.rna(x), small = x - big in fp32, then three TF32 products
             # (small * big, big * small, big * big, accumulated in that order), whose operands the tensor

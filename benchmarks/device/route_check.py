@@ -55,12 +55,23 @@ def main() -> int:
             o_fk, s_fk = kda.chunk_kda(**kwargs, backend="flashkda")
         finding("kda backend=flashkda calls flash_kda.fwd", calls["n"] > before, True)
 
-    ref_kwargs = {k: (v.detach().cpu().double() if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "cu_seqlens_cpu") else v)
-                  for k, v in kwargs.items() if k != "cu_seqlens_cpu"}
+    ref_kwargs = {
+        k: (
+            v.detach().cpu().double()
+            if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "cu_seqlens_cpu")
+            else v
+        )
+        for k, v in kwargs.items()
+        if k != "cu_seqlens_cpu"
+    }
     o_ref, s_ref = kda.kda_reference(**ref_kwargs)
     for name, o, s in (("fla", o_fla, s_fla), ("flashkda", o_fk, s_fk)):
-        print(json.dumps({"backend": name, "o_rel_err": relative_error(o, o_ref),
-                          "state_rel_err": relative_error(s, s_ref)}), flush=True)
+        print(
+            json.dumps(
+                {"backend": name, "o_rel_err": relative_error(o, o_ref), "state_rel_err": relative_error(s, s_ref)}
+            ),
+            flush=True,
+        )
     return 0 if ok else 1
 
 

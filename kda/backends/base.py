@@ -174,8 +174,9 @@ class Backend(abc.ABC):
         return {}
 
     def info(self) -> BackendInfo:
-        return BackendInfo(self.name, self.version, self.priority, self.trains, self.description,
-                           self.fingerprint_extras())
+        return BackendInfo(
+            self.name, self.version, self.priority, self.trains, self.description, self.fingerprint_extras()
+        )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} v{self.version}>"

@@ -41,34 +41,66 @@ from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kda.bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", action="append", default=[], metavar="NAME",
-                        help="a kda backend, 'auto', 'baseline:fla' or 'baseline:flashkda' (repeatable; "
-                             "default: every available backend, auto, and the baselines that are installed)")
-    parser.add_argument("--shape", action="append", default=[], metavar="NAME",
-                        help="B{b}_T{t}_H{h}_D{d} or varlen_H{h}_D{d}_L{lengths} "
-                             "(repeatable; default: the 12 bench shapes)")
-    parser.add_argument("--mode", action="append", default=[], choices=sorted(MODES),
-                        help="fwd, fwd_pregated, train_pregated or train_safe (repeatable; default: all four)")
+    parser = argparse.ArgumentParser(
+        prog="python -m kda.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a kda backend, 'auto', 'baseline:fla' or 'baseline:flashkda' (repeatable; "
+        "default: every available backend, auto, and the baselines that are installed)",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="B{b}_T{t}_H{h}_D{d} or varlen_H{h}_D{d}_L{lengths} (repeatable; default: the 12 bench shapes)",
+    )
+    parser.add_argument(
+        "--mode",
+        action="append",
+        default=[],
+        choices=sorted(MODES),
+        help="fwd, fwd_pregated, train_pregated or train_safe (repeatable; default: all four)",
+    )
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<gpu>/<date>")
-    parser.add_argument("--cold-start", choices=("none", "first", "all"), default="first",
-                        help="time the first call in a fresh process: at the first shape (default), "
-                             "every shape, or never")
-    parser.add_argument("--tune", action="store_true",
-                        help="record the kda backends' timings in this GPU's timing table (used by auto)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="processes to spread shapes over, one GPU each (round robin)")
+    parser.add_argument(
+        "--cold-start",
+        choices=("none", "first", "all"),
+        default="first",
+        help="time the first call in a fresh process: at the first shape (default), every shape, or never",
+    )
+    parser.add_argument(
+        "--tune", action="store_true", help="record the kda backends' timings in this GPU's timing table (used by auto)"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="processes to spread shapes over, one GPU each (round robin)"
+    )
     parser.add_argument("--warmup-ms", type=float, default=50)
     parser.add_argument("--rep-ms", type=float, default=300)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="time every row this many times, in rotated orders, and report the median")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="time every row this many times, in rotated orders, and report the median"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chart", type=Path, metavar="RESULTS_JSON",
-                        help="only redraw results.md and pct_fla.png from an existing results.json")
-    parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
-                        help="combine the rows of several results.json files (same GPU and versions) into --out")
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="only redraw results.md and pct_fla.png from an existing results.json",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="combine the rows of several results.json files (same GPU and versions) into --out",
+    )
     parser.add_argument("--list-shapes", action="store_true", help="print the default shapes and exit")
     # Internal: a worker of --jobs runs its share and streams rows to stdout as JSON lines.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -77,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _default_backends() -> list[str]:
-    names = registry.available_backends() + ["auto"]
+    names = [*registry.available_backends(), "auto"]
     for baseline, module in (("baseline:fla", "fla"), ("baseline:flashkda", "flash_kda")):
         try:
             __import__(module)
@@ -123,13 +155,32 @@ def main(argv: list[str] | None = None) -> int:
     shapes = args.shape or list(DEFAULT_SHAPES)
     modes = args.mode or list(MODES)
     backends = args.backend or _default_backends()
-    settings = {"shapes": shapes, "modes": modes, "backends": backends, "cold_start": args.cold_start,
-                "tune": args.tune, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "rounds": args.rounds,
-                "seed": args.seed,
-                "jobs": args.jobs, "KDA_VERIFY": os.environ.get("KDA_VERIFY", "lazy")}
-    config = BenchConfig(shapes, modes, backends, device, cold_start=args.cold_start,
-                         first_shape=args.first_shape or shapes[0], tune=args.tune, warmup_ms=args.warmup_ms,
-                         rep_ms=args.rep_ms, rounds=args.rounds, seed=args.seed)
+    settings = {
+        "shapes": shapes,
+        "modes": modes,
+        "backends": backends,
+        "cold_start": args.cold_start,
+        "tune": args.tune,
+        "warmup_ms": args.warmup_ms,
+        "rep_ms": args.rep_ms,
+        "rounds": args.rounds,
+        "seed": args.seed,
+        "jobs": args.jobs,
+        "KDA_VERIFY": os.environ.get("KDA_VERIFY", "lazy"),
+    }
+    config = BenchConfig(
+        shapes,
+        modes,
+        backends,
+        device,
+        cold_start=args.cold_start,
+        first_shape=args.first_shape or shapes[0],
+        tune=args.tune,
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+        rounds=args.rounds,
+        seed=args.seed,
+    )
 
     if args.worker:  # stream rows to the parent
         run(config, on_row=lambda row: print("ROW " + json.dumps(row.as_json()), flush=True))
@@ -137,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         untimed = [name for name in registry.available_backends() if name not in backends]
         if untimed:  # `auto` ranks by speed only what was timed together (kda.timings.rank)
-            err.print(f"[yellow]--tune: not timed in this run, though `auto` can choose them here: {', '.join(untimed)}. "
-                      "Without a timing a backend keeps its priority place (add it with --backend to rank it by "
-                      "speed; `baseline:fla` times FLA directly, not the kda `fla` backend).[/yellow]", soft_wrap=True)
+            err.print(
+                f"[yellow]--tune: not timed in this run, though `auto` can choose them here: {', '.join(untimed)}. "
+                "Without a timing a backend keeps its priority place (add it with --backend to rank it by "
+                "speed; `baseline:fla` times FLA directly, not the kda `fla` backend).[/yellow]",
+                soft_wrap=True,
+            )
 
     signal.signal(signal.SIGTERM, _interrupt)
     total = len(shapes) * len(modes)
@@ -152,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         finished = sorted(rows, key=_row_order(config))
         results.write_so_far({**header, "rows": [r.as_json() for r in finished]}, out_dir, expected_rows)
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err) as progress:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+    ) as progress:
         task = progress.add_task("bench", total=total)
         try:
             if args.jobs > 1:
@@ -165,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     save_so_far()
                     if not err.is_terminal:  # no live bar in a log: one line per row instead
-                        err.print(f"{row.shape} {row.mode} {row.backend}: {row.status} {row.median_ms} ms "
-                                  f"cold={row.cold_start_s} {(row.reason or '')[:160]}", highlight=False)
+                        err.print(
+                            f"{row.shape} {row.mode} {row.backend}: {row.status} {row.median_ms} ms "
+                            f"cold={row.cold_start_s} {(row.reason or '')[:160]}",
+                            highlight=False,
+                        )
                     if (row.shape, row.mode) not in done:
                         done.add((row.shape, row.mode))
                         progress.update(task, advance=1, description=f"{row.shape} {row.mode}")
@@ -194,8 +252,12 @@ def _interrupt(signum, frame) -> None:
 def _row_order(config: BenchConfig):
     order = {(s, m): n for n, (s, m) in enumerate((s, m) for s in config.shapes for m in config.modes)}
     backend_order = {b: n for n, b in enumerate(config.backends)}
-    return lambda r: (order.get((r.shape, r.mode), 1 << 30), r.kind == "auto", r.kind != "baseline",
-                      backend_order.get(r.backend, 1 << 30))
+    return lambda r: (
+        order.get((r.shape, r.mode), 1 << 30),
+        r.kind == "auto",
+        r.kind != "baseline",
+        backend_order.get(r.backend, 1 << 30),
+    )
 
 
 COMPILE_WEIGHT = 4  # FLA at a new set of constants: minutes of compiling and tuning, vs seconds a shape
@@ -230,8 +292,11 @@ def _merge(paths: list[Path], out_dir: Path | None, out: Console, err: Console) 
         if part["gpu"] != first["gpu"] or part["versions"] != first["versions"]:
             err.print(f"[red]{path} was measured on another GPU or with other versions; not merging[/red]")
             return 2
-    data = {**first, "settings": {"merged_from": [str(p) for p in paths], "runs": [p["settings"] for p in parts]},
-            "rows": [row for part in parts for row in part["rows"]]}
+    data = {
+        **first,
+        "settings": {"merged_from": [str(p) for p in paths], "runs": [p["settings"] for p in parts]},
+        "rows": [row for part in parts for row in part["rows"]],
+    }
     target = out_dir or paths[0].parent.parent
     written = results.write(data, target)
     out.print(results.terminal_table(data))
@@ -239,8 +304,14 @@ def _merge(paths: list[Path], out_dir: Path | None, out: Console, err: Console) 
     return 0
 
 
-def _run_jobs(args: argparse.Namespace, config: BenchConfig, progress: Progress, task, rows: list[Row],
-              save_so_far: Callable[[], None]) -> None:
+def _run_jobs(
+    args: argparse.Namespace,
+    config: BenchConfig,
+    progress: Progress,
+    task,
+    rows: list[Row],
+    save_so_far: Callable[[], None],
+) -> None:
     """Spread shapes over `args.jobs` worker processes, each on its own GPU (round robin); rows arrive
     in `rows` as the workers finish them (and `save_so_far` writes them)."""
     gpus = torch.cuda.device_count() if config.device.type == "cuda" else 0
@@ -249,16 +320,32 @@ def _run_jobs(args: argparse.Namespace, config: BenchConfig, progress: Progress,
     workers = []
     logs = Path(tempfile.mkdtemp(prefix="kda-bench-"))
     for i, share in enumerate(s for s in shares if s):
-        command = [sys.executable, "-m", "kda.bench", "--worker", "--first-shape", config.shapes[0],
-                   "--cold-start", args.cold_start, "--warmup-ms", str(args.warmup_ms), "--rep-ms", str(args.rep_ms),
-                   "--rounds", str(args.rounds),
-                   "--seed", str(args.seed), "--device", "cuda" if gpus else str(config.device)]
+        command = [
+            sys.executable,
+            "-m",
+            "kda.bench",
+            "--worker",
+            "--first-shape",
+            config.shapes[0],
+            "--cold-start",
+            args.cold_start,
+            "--warmup-ms",
+            str(args.warmup_ms),
+            "--rep-ms",
+            str(args.rep_ms),
+            "--rounds",
+            str(args.rounds),
+            "--seed",
+            str(args.seed),
+            "--device",
+            "cuda" if gpus else str(config.device),
+        ]
         command += [f"--backend={b}" for b in config.backends] + [f"--mode={m}" for m in config.modes]
         command += [f"--shape={s}" for s in share] + (["--tune"] if args.tune else [])
         env = os.environ.copy()
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
-        log = open(logs / f"worker-{i}.log", "w")
+        log = open(logs / f"worker-{i}.log", "w")  # noqa: SIM115 - closed when its worker is collected
         workers.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env), log))
 
     def collect(proc: subprocess.Popen) -> None:

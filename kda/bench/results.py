@@ -29,14 +29,22 @@ def gpu_info(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"name": f"cpu ({platform.machine()})", "capability": None}
     props = torch.cuda.get_device_properties(device)
-    return {"name": props.name, "capability": f"{props.major}.{props.minor}",
-            "sms": props.multi_processor_count, "memory_bytes": props.total_memory}
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sms": props.multi_processor_count,
+        "memory_bytes": props.total_memory,
+    }
 
 
 def driver_version() -> str | None:
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     lines = done.stdout.strip().splitlines()
@@ -45,8 +53,13 @@ def driver_version() -> str | None:
 
 def versions() -> dict[str, str | None]:
     found = dict(package_versions())
-    return {"kda": __version__, **found, "driver": driver_version(), "cuda": torch.version.cuda,
-            "python": platform.python_version()}
+    return {
+        "kda": __version__,
+        **found,
+        "driver": driver_version(),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
 
 
 def gpu_slug(name: str) -> str:
@@ -99,13 +112,24 @@ COLUMNS = ("shape", "mode", "backend", "median ms", "FLA ms", "pct_fla", "peak M
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    return [row["shape"], row["mode"], row["backend"], _ms(row["median_ms"]), _ms(row["fla_median_ms"]),
-            _pct(row["pct_fla"]), _mib(row["peak_bytes"]), _cold(row), _status(row)]
+    return [
+        row["shape"],
+        row["mode"],
+        row["backend"],
+        _ms(row["median_ms"]),
+        _ms(row["fla_median_ms"]),
+        _pct(row["pct_fla"]),
+        _mib(row["peak_bytes"]),
+        _cold(row),
+        _status(row),
+    ]
 
 
 def terminal_table(data: dict[str, Any]) -> Table:
-    table = Table(title=f"kda {data['kda']} bench on {data['gpu']['name']} ({data['date']}); "
-                        "pct_fla = 100 x FLA ms / backend ms, same process")
+    table = Table(
+        title=f"kda {data['kda']} bench on {data['gpu']['name']} ({data['date']}); "
+        "pct_fla = 100 x FLA ms / backend ms, same process"
+    )
     for column in COLUMNS:
         table.add_column(column, overflow="fold")
     for row in data["rows"]:
@@ -120,12 +144,15 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "Versions: " + ", ".join(f"{k} {v[k]}" for k in v if v[k] is not None) + ".",
         "",
-        (("Median of `triton.testing.do_bench` (warm-up excluded, L2 flushed between runs), bf16. ")
-         if data["gpu"].get("capability") else "Wall-clock median on the CPU (warm-up excluded), bf16. ") +
-        "`pct_fla = 100 * FLA ms / backend ms` with FLA re-measured in the same process "
+        (
+            ("Median of `triton.testing.do_bench` (warm-up excluded, L2 flushed between runs), bf16. ")
+            if data["gpu"].get("capability")
+            else "Wall-clock median on the CPU (warm-up excluded), bf16. "
+        )
+        + "`pct_fla = 100 * FLA ms / backend ms` with FLA re-measured in the same process "
         "(above 100% is faster than FLA). Peak memory is beyond the inputs. Cold start is the first call "
         "in a fresh process (the call alone; `cold_process_s` in results.json adds interpreter start, "
-        "imports and inputs); \"(n new)\" counts the Triton cache files it wrote (compilation, tuning).",
+        'imports and inputs); "(n new)" counts the Triton cache files it wrote (compilation, tuning).',
         "",
         "Settings: " + ", ".join(f"{k}={v}" for k, v in data["settings"].items()) + ".",
         "",
@@ -145,8 +172,10 @@ def chart(data: dict[str, Any], path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as error:
-        return (f"matplotlib unavailable ({type(error).__name__}); "
-                "render later with `python -m kda.bench --chart results.json`")
+        return (
+            f"matplotlib unavailable ({type(error).__name__}); "
+            "render later with `python -m kda.bench --chart results.json`"
+        )
     rows = [r for r in data["rows"] if r["pct_fla"] is not None and r["backend"] != "baseline:fla"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     if not modes:
@@ -182,9 +211,11 @@ def write_so_far(data: dict[str, Any], out_dir: Path, expected_rows: int) -> dic
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {**data, "settings": {**data["settings"], "partial": f"{len(data['rows'])} of {expected_rows} rows"}}
     paths = {"json": out_dir / "results.json", "md": out_dir / "results.md"}
-    texts = {"json": json.dumps(data, indent=1) + "\n",
-             "md": markdown(data) + f"\nPartial: {len(data['rows'])} of {expected_rows} rows; the run did not "
-                                    "finish (or is still running).\n"}
+    texts = {
+        "json": json.dumps(data, indent=1) + "\n",
+        "md": markdown(data) + f"\nPartial: {len(data['rows'])} of {expected_rows} rows; the run did not "
+        "finish (or is still running).\n",
+    }
     for kind, path in paths.items():
         scratch = path.with_name(path.name + ".part")
         scratch.write_text(texts[kind])

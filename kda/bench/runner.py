@@ -131,14 +131,26 @@ def _flashkda_direct(kwargs: dict[str, Any], mode: Mode) -> Callable[[], Any] | 
     h0_vk = None if h0 is None else h0.transpose(-1, -2).contiguous()  # its layout; converted once, untimed
     cu = kwargs.get("cu_seqlens")
     N = q.shape[0] if cu is None else cu.numel() - 1
-    scale = K ** -0.5
+    scale = K**-0.5
 
     def forward() -> Any:
         out = torch.empty_like(v)
         final = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
-        flash_kda.fwd(q, kwargs["k"], v, kwargs["g"], kwargs["beta"], scale, out, A_log=kwargs["A_log"],
-                      dt_bias=dt_bias, lower_bound=kwargs["lower_bound"], initial_state=h0_vk, final_state=final,
-                      cu_seqlens=cu)
+        flash_kda.fwd(
+            q,
+            kwargs["k"],
+            v,
+            kwargs["g"],
+            kwargs["beta"],
+            scale,
+            out,
+            A_log=kwargs["A_log"],
+            dt_bias=dt_bias,
+            lower_bound=kwargs["lower_bound"],
+            initial_state=h0_vk,
+            final_state=final,
+            cu_seqlens=cu,
+        )
         return out, final
 
     return forward
@@ -169,10 +181,16 @@ def run(
         shape = BenchShape.parse(shape_name)
         for mode_name in config.modes:
             mode = MODES[mode_name]
-            group = _measure(config, shape, mode, timer, memory, cold,
-                             measure_cold=config.cold_start == "all"
-                             or (config.cold_start == "first" and shape_name == first_shape),
-                             on_row=on_row)
+            group = _measure(
+                config,
+                shape,
+                mode,
+                timer,
+                memory,
+                cold,
+                measure_cold=config.cold_start == "all" or (config.cold_start == "first" and shape_name == first_shape),
+                on_row=on_row,
+            )
             rows.extend(group)
     return rows
 
@@ -181,9 +199,11 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
     device = config.device
     inputs = make_inputs(shape, mode, device, seed=config.seed)
     kwargs = inputs.kwargs
-    ordered = [b for b in config.backends if b in BASELINES] + \
-              [b for b in config.backends if b not in BASELINES and b != "auto"] + \
-              [b for b in config.backends if b == "auto"]
+    ordered = (
+        [b for b in config.backends if b in BASELINES]
+        + [b for b in config.backends if b not in BASELINES and b != "auto"]
+        + [b for b in config.backends if b == "auto"]
+    )
     rows: list[Row] = []
     calls: dict[str, Callable[[], Any]] = {}
     for name in ordered:

@@ -72,9 +72,7 @@ DENSE_SHAPES = [
     "B8_T1024_H8_D64",
 ]
 VARLEN_SHAPES = [
-    f"varlen_H{H}_D128_L{lengths}"
-    for H in (96, 64)
-    for lengths in ("8192", "1300-547-2048-963-271-3063", "1024x8")
+    f"varlen_H{H}_D128_L{lengths}" for H in (96, 64) for lengths in ("8192", "1300-547-2048-963-271-3063", "1024x8")
 ]
 DEFAULT_SHAPES = DENSE_SHAPES + VARLEN_SHAPES
 
@@ -113,9 +111,12 @@ def make_inputs(shape: BenchShape, mode: Mode, device: torch.device | str, seed:
         return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * scale + shift).to(dtype)
 
     kwargs: dict[str, Any] = {
-        "q": randn(B, T, H, D), "k": randn(B, T, H, D), "v": randn(B, T, H, D),
+        "q": randn(B, T, H, D),
+        "k": randn(B, T, H, D),
+        "v": randn(B, T, H, D),
         "beta": randn(B, T, H),
-        "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+        "use_qk_l2norm_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
     }
     if mode.gate == "safe":
         kwargs["g"] = randn(B, T, H, D)
@@ -152,8 +153,9 @@ def case_class_keys(shapes: list[str], modes: list[str]) -> list[str]:
     keys: dict[str, None] = {}
     for name in shapes:
         shape = BenchShape.parse(name)
-        small = BenchShape(name, 1 if shape.varlen else min(shape.B, 2), 8, 1, shape.D,
-                           (4, 4) if shape.varlen else None)
+        small = BenchShape(
+            name, 1 if shape.varlen else min(shape.B, 2), 8, 1, shape.D, (4, 4) if shape.varlen else None
+        )
         for mode_name in modes:
             inputs = make_inputs(small, MODES[mode_name], "cpu", seed=0)
             spec = KDASpec.from_call(**inputs.kwargs, requires_grad=MODES[mode_name].training)

@@ -80,8 +80,19 @@ def cold_start(backend: str, shape: str, mode: str, device: torch.device, *, tim
     cache = triton_cache_dir()
     before = _count_files(cache)
     started = time.perf_counter()
-    command = [sys.executable, "-m", "kda.bench.cold", "--backend", backend, "--shape", shape, "--mode", mode,
-               "--device", str(device)]
+    command = [
+        sys.executable,
+        "-m",
+        "kda.bench.cold",
+        "--backend",
+        backend,
+        "--shape",
+        shape,
+        "--mode",
+        mode,
+        "--device",
+        str(device),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
     except subprocess.TimeoutExpired:

@@ -53,8 +53,16 @@ class VerificationCase:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "regime": self.regime, "B": self.B, "T": self.T, "H": self.H, "HV": self.HV, "K": self.K,
-            "V": self.V, "seq_lens": list(self.seq_lens), "g_dtype": self.g_dtype, "seed": self.seed,
+            "regime": self.regime,
+            "B": self.B,
+            "T": self.T,
+            "H": self.H,
+            "HV": self.HV,
+            "K": self.K,
+            "V": self.V,
+            "seq_lens": list(self.seq_lens),
+            "g_dtype": self.g_dtype,
+            "seed": self.seed,
         }
 
 
@@ -82,8 +90,12 @@ def cases_for(case_class: CaseClass, *, quick: bool, like: KDASpec | None = None
         return [realistic]
     extreme = sized("extreme", (3 * C - 5, 1, 0, C + 1) if case_class.varlen else (3 * C - 5,))
     variant_regime: Regime = "near_zero_bound" if case_class.gate is GateMode.SAFE else "realistic"
-    variant = sized(variant_regime, (C - 3, 0, 2 * C, 5) if case_class.varlen else (C - 3,),
-                    dt_bias_2d=True, safe_without_A_log=case_class.gate is GateMode.SAFE)
+    variant = sized(
+        variant_regime,
+        (C - 3, 0, 2 * C, 5) if case_class.varlen else (C - 3,),
+        dt_bias_2d=True,
+        safe_without_A_log=case_class.gate is GateMode.SAFE,
+    )
     # The variant also takes the gate input in fp32 and uses K != V (so the two state layouts differ).
     variant = replace(variant, g_dtype="float32", V=max(1, V // 2) if like is None else V)
     return [realistic, extreme, variant]
@@ -136,7 +148,11 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
             kwargs["lower_bound"] = -0.01 if case.regime == "near_zero_bound" else -5.0
 
     kwargs.update(
-        q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.to(g_dtype), beta=beta.to(dtype),
+        q=q.to(dtype),
+        k=k.to(dtype),
+        v=v.to(dtype),
+        g=g.to(g_dtype),
+        beta=beta.to(dtype),
         use_qk_l2norm_in_kernel=cc.qk_l2norm,
         use_beta_sigmoid_in_kernel=cc.beta != "given",
         allow_neg_eigval=cc.beta == "sigmoid2",
@@ -175,21 +191,56 @@ def full_grid() -> list[CaseClass]:
         for gate in GateMode:
             for training in (False, True):
                 h0, ht, vk = states[i % len(states)]
-                classes.append(CaseClass(
-                    gate=gate, qk_l2norm=i % 2 == 0, beta=betas[i % 3], dtype=dtype, varlen=(i // 2) % 2 == 1,
-                    gva=(i // 3) % 2 == 1, initial_state=h0, final_state=ht, state_v_first=vk,
-                    chunk_size=(64, 32)[(i // 4) % 2], head_dim=dims[(i // 5) % 3], training=training,
-                ))
+                classes.append(
+                    CaseClass(
+                        gate=gate,
+                        qk_l2norm=i % 2 == 0,
+                        beta=betas[i % 3],
+                        dtype=dtype,
+                        varlen=(i // 2) % 2 == 1,
+                        gva=(i // 3) % 2 == 1,
+                        initial_state=h0,
+                        final_state=ht,
+                        state_v_first=vk,
+                        chunk_size=(64, 32)[(i // 4) % 2],
+                        head_dim=dims[(i // 5) % 3],
+                        training=training,
+                    )
+                )
                 i += 1
     typical = CaseClass(
-        gate=GateMode.SAFE, qk_l2norm=True, beta="sigmoid", dtype="bfloat16", varlen=False, gva=False,
-        initial_state=True, final_state=True, state_v_first=False, chunk_size=64, head_dim=128, training=True,
+        gate=GateMode.SAFE,
+        qk_l2norm=True,
+        beta="sigmoid",
+        dtype="bfloat16",
+        varlen=False,
+        gva=False,
+        initial_state=True,
+        final_state=True,
+        state_v_first=False,
+        chunk_size=64,
+        head_dim=128,
+        training=True,
     )
     variations: list[dict[str, Any]] = [
-        {}, {"gate": GateMode.PREGATED}, {"gate": GateMode.SOFTPLUS}, {"qk_l2norm": False}, {"beta": "given"},
-        {"beta": "sigmoid2"}, {"dtype": "float16"}, {"dtype": "float32"}, {"varlen": True}, {"gva": True},
-        {"initial_state": False, "final_state": False}, {"final_state": False}, {"initial_state": False},
-        {"state_v_first": True}, {"chunk_size": 32}, {"head_dim": 64}, {"head_dim": 256}, {"training": False},
+        {},
+        {"gate": GateMode.PREGATED},
+        {"gate": GateMode.SOFTPLUS},
+        {"qk_l2norm": False},
+        {"beta": "given"},
+        {"beta": "sigmoid2"},
+        {"dtype": "float16"},
+        {"dtype": "float32"},
+        {"varlen": True},
+        {"gva": True},
+        {"initial_state": False, "final_state": False},
+        {"final_state": False},
+        {"initial_state": False},
+        {"state_v_first": True},
+        {"chunk_size": 32},
+        {"head_dim": 64},
+        {"head_dim": 256},
+        {"training": False},
         {"varlen": True, "gva": True, "training": False},
     ]
     for change in variations:

@@ -28,15 +28,29 @@ from kda.verify.records import Record, Source
 
 # Relative L2 tolerances for bf16/fp16 inputs; fp32 inputs use FP32_TOLERANCE for everything.
 LOW_PRECISION_TOLERANCE = {
-    "o": 5e-3, "final_state": 5e-3,
-    "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dinitial_state": 8e-3,
-    "dg": 2e-2, "dbeta": 2e-2,
-    "dA_log": 1e-2, "ddt_bias": 1e-2,
+    "o": 5e-3,
+    "final_state": 5e-3,
+    "dq": 8e-3,
+    "dk": 8e-3,
+    "dv": 8e-3,
+    "dinitial_state": 8e-3,
+    "dg": 2e-2,
+    "dbeta": 2e-2,
+    "dA_log": 1e-2,
+    "ddt_bias": 1e-2,
 }
 FP32_TOLERANCE = 1e-3
 
-GRADIENT_OF = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "dA_log": "A_log",
-               "ddt_bias": "dt_bias", "dinitial_state": "initial_state"}
+GRADIENT_OF = {
+    "dq": "q",
+    "dk": "k",
+    "dv": "v",
+    "dg": "g",
+    "dbeta": "beta",
+    "dA_log": "A_log",
+    "ddt_bias": "dt_bias",
+    "dinitial_state": "initial_state",
+}
 
 
 _verifying: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_verifying", default=False)
@@ -82,8 +96,13 @@ class CaseResult:
         return max(self.ratios.values())
 
     def as_json(self) -> dict[str, Any]:
-        return {**self.case.describe(), "passed": self.passed, "errors": self.errors, "reason": self.reason,
-                "seconds": round(self.seconds, 4)}
+        return {
+            **self.case.describe(),
+            "passed": self.passed,
+            "errors": self.errors,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 def _reference(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], training: bool):
@@ -125,8 +144,9 @@ def _poison_allocator(device: torch.device, sizes: list[int]) -> None:
     left there (the allocator hands a freed block of the right size back first)."""
     if device.type != "cuda":
         return
-    blocks = [torch.full((max(1, n // 4),), float("nan"), dtype=torch.float32, device=device)
-              for n in sizes for _ in range(2)]
+    blocks = [
+        torch.full((max(1, n // 4),), float("nan"), dtype=torch.float32, device=device) for n in sizes for _ in range(2)
+    ]
     del blocks
 
 
@@ -148,7 +168,9 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
     kwargs, upstream = make_inputs(case, device)
     spec = KDASpec.from_call(**kwargs, requires_grad=cc.training)
     if cc.training and not backend.trains:  # the dispatcher never gives it such a call: nothing to verify
-        return CaseResult(case, passed=False, unsupported=True, reason="forward-only backend; the class needs gradients")
+        return CaseResult(
+            case, passed=False, unsupported=True, reason="forward-only backend; the class needs gradients"
+        )
     verdict = backend.supports(spec)
     if not verdict:
         return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))
@@ -162,8 +184,11 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         if backend.writes_into_outputs:
             out = KDAOutputs(
                 o=torch.full((spec.B, spec.T, spec.HV, spec.V), float("nan"), dtype=spec.dtype, device=device),
-                final_state=(torch.full(spec.state_shape, float("nan"), dtype=torch.float32, device=device)
-                             if spec.output_final_state else None),
+                final_state=(
+                    torch.full(spec.state_shape, float("nan"), dtype=torch.float32, device=device)
+                    if spec.output_final_state
+                    else None
+                ),
             )
         tokens = spec.B * spec.T
         state_bytes = 4 * spec.num_seqs * spec.HV * spec.K * spec.V
@@ -178,8 +203,9 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
             raise ValueError("final_state was requested but not returned")
         if cc.training:
             _poison_allocator(device, [t.numel() * t.element_size() for t in snapshot.values()])
-            grads: KDAGradients = backend.backward(inputs, spec, fwd.saved, upstream["do"],
-                                                   upstream.get("dfinal_state"))
+            grads: KDAGradients = backend.backward(
+                inputs, spec, fwd.saved, upstream["do"], upstream.get("dfinal_state")
+            )
             for grad_name in ref_grads:
                 got[grad_name] = getattr(grads, grad_name)
         if device.type == "cuda":
@@ -198,8 +224,11 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         err = math.inf if value is None else relative_error(value, ref)
         result.errors[name] = err
         result.ratios[name] = err / tolerance(name, cc.dtype)
-    failing = [f"{name} rel. error {result.errors[name]:.2e} > tol {tolerance(name, cc.dtype):.0e}"
-               for name, ratio in result.ratios.items() if not ratio <= 1.0]
+    failing = [
+        f"{name} rel. error {result.errors[name]:.2e} > tol {tolerance(name, cc.dtype):.0e}"
+        for name, ratio in result.ratios.items()
+        if not ratio <= 1.0
+    ]
     if changed:
         failing.append("modified its inputs: " + ", ".join(changed))
     result.passed = not failing
@@ -236,8 +265,15 @@ class ClassResult:
         return reasons[0] if reasons else None
 
     def to_record(self, source: Source, quick: bool) -> Record:
-        return Record(case_class=self.case_class.key, passed=self.passed, worst_ratio=self.worst_ratio,
-                      source=source, quick=quick, cases=[c.as_json() for c in self.cases], reason=self.reason)
+        return Record(
+            case_class=self.case_class.key,
+            passed=self.passed,
+            worst_ratio=self.worst_ratio,
+            source=source,
+            quick=quick,
+            cases=[c.as_json() for c in self.cases],
+            reason=self.reason,
+        )
 
 
 def verify_class(

@@ -37,17 +37,30 @@ from kda.verify.records import default_store, fingerprint, fingerprint_id
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kda.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="verify every registered backend (the default)")
-    parser.add_argument("--backend", action="append", default=[], metavar="NAME", help="verify this backend (repeatable)")
+    parser.add_argument(
+        "--backend", action="append", default=[], metavar="NAME", help="verify this backend (repeatable)"
+    )
     parser.add_argument("--quick", action="store_true", help="one case per class instead of three")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--device", default=None, help="device to verify on (default: cuda if present, else cpu)")
     parser.add_argument("--case", action="append", default=[], metavar="KEY", help="only this case class (repeatable)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="spread the case classes over N processes, one GPU each, round robin (slow-compiling backends)")
-    parser.add_argument("--with-bench-classes", action="store_true",
-                        help="also verify the case classes of `python -m kda.bench`'s shapes and modes")
-    parser.add_argument("--work-dir", type=Path, default=None,
-                        help="with --jobs: where the workers' logs and partial results go (default: a temp dir)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="spread the case classes over N processes, one GPU each, round robin (slow-compiling backends)",
+    )
+    parser.add_argument(
+        "--with-bench-classes",
+        action="store_true",
+        help="also verify the case classes of `python -m kda.bench`'s shapes and modes",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="with --jobs: where the workers' logs and partial results go (default: a temp dir)",
+    )
     parser.add_argument("--list-cases", action="store_true", help="print the grid's case-class keys and exit")
     return parser
 
@@ -102,8 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [b for b in chosen if b.name not in unavailable]
     store = default_store()
     started = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=False) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    ) as progress:
         task = progress.add_task("verifying", total=len(runnable) * len(classes))
         if args.jobs > 1 and runnable:
             entries = _run_jobs(args, runnable, classes, device, progress, task)
@@ -116,18 +135,23 @@ def main(argv: list[str] | None = None) -> int:
                     result = verify_class(backend, cc, device, quick=args.quick)
                     entries.append(_entry(backend.name, result))
                     if not err.is_terminal:  # no live bar in a log: one line per class, with its seconds
-                        err.print(f"{len(entries)}/{len(runnable) * len(classes)} {backend.name} {cc.key}: "
-                                  f"{entries[-1]['status']} {entries[-1]['worst_ratio']} "
-                                  f"({time.perf_counter() - class_started:.1f} s) "
-                                  f"{(entries[-1]['reason'] or '')[:200]}", highlight=False)
+                        err.print(
+                            f"{len(entries)}/{len(runnable) * len(classes)} {backend.name} {cc.key}: "
+                            f"{entries[-1]['status']} {entries[-1]['worst_ratio']} "
+                            f"({time.perf_counter() - class_started:.1f} s) "
+                            f"{(entries[-1]['reason'] or '')[:200]}",
+                            highlight=False,
+                        )
                     if not result.unsupported:
                         store.put(backend, device, [result.to_record(source="verify", quick=args.quick)])
                     progress.advance(task)
     elapsed = time.perf_counter() - started
 
     by_key = {(e["backend"], e["case_class"]): e for e in entries}
-    table = Table(title=f"kda {__version__} verification on {device} ({'quick' if args.quick else 'full'}; "
-                        "cell = worst error / tolerance)")
+    table = Table(
+        title=f"kda {__version__} verification on {device} ({'quick' if args.quick else 'full'}; "
+        "cell = worst error / tolerance)"
+    )
     table.add_column("case class")
     for backend in runnable:
         table.add_column(f"{backend.name} v{backend.version}")
@@ -138,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, verdict in unavailable.items():
         out.print(f"[yellow]{name}: unavailable[/yellow] - {'; '.join(verdict.reasons)}")
 
-    failures = [(b.name, cc.key, by_key.get((b.name, cc.key), missing)) for b in runnable for cc in classes
-                if by_key.get((b.name, cc.key), missing)["status"] == "fail"]
+    failures = [
+        (b.name, cc.key, by_key.get((b.name, cc.key), missing))
+        for b in runnable
+        for cc in classes
+        if by_key.get((b.name, cc.key), missing)["status"] == "fail"
+    ]
     for name, key, entry in failures:
         out.print(f"[red]FAIL[/red] {name} {key}: {entry['reason']}")
         for case in entry["cases"]:
@@ -148,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     checked = sum(1 for e in entries if e["status"] != "unsupported")
     named_unavailable = [n for n in unavailable if n in args.backend]
     ok = not failures and not named_unavailable
-    out.print(f"{checked - len(failures)} passed, {len(failures)} failed "
-              f"({len(runnable)} backend(s), {len(classes)} case classes, {elapsed:.1f}s); "
-              f"records in {store.root / 'verification'}")
+    out.print(
+        f"{checked - len(failures)} passed, {len(failures)} failed "
+        f"({len(runnable)} backend(s), {len(classes)} case classes, {elapsed:.1f}s); "
+        f"records in {store.root / 'verification'}"
+    )
     if named_unavailable:
         out.print(f"[red]requested backend(s) unavailable: {', '.join(named_unavailable)}[/red]")
 
@@ -161,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "passed": ok,
             "seconds": round(elapsed, 1),
-            "fingerprints": {b.name: {**fingerprint(b, device), "id": fingerprint_id(fingerprint(b, device))}
-                             for b in runnable},
+            "fingerprints": {
+                b.name: {**fingerprint(b, device), "id": fingerprint_id(fingerprint(b, device))} for b in runnable
+            },
             "unavailable": {name: list(v.reasons) for name, v in unavailable.items()},
             "results": entries,
         }
@@ -180,11 +211,18 @@ def _run_jobs(args, runnable, classes, device, progress, task) -> list[dict[str,
     scratch.mkdir(parents=True, exist_ok=True)
     children = []
     for i in range(args.jobs):
-        share = classes[i::args.jobs]
+        share = classes[i :: args.jobs]
         if not share:
             continue
-        command = [sys.executable, "-m", "kda.verify", "--json", str(scratch / f"part-{i}.json"),
-                   "--device", "cuda" if gpus else str(device)]
+        command = [
+            sys.executable,
+            "-m",
+            "kda.verify",
+            "--json",
+            str(scratch / f"part-{i}.json"),
+            "--device",
+            "cuda" if gpus else str(device),
+        ]
         command += [f"--backend={b.name}" for b in runnable] + [f"--case={cc.key}" for cc in share]
         command += ["--quick"] if args.quick else []
         env = os.environ.copy()
@@ -193,7 +231,7 @@ def _run_jobs(args, runnable, classes, device, progress, task) -> list[dict[str,
         # The workers' CPU work (the float64 reference, compiles) shares the machine: without a cap each
         # one's torch would start a thread per core, args.jobs times over.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
-        log = open(scratch / f"part-{i}.log", "w")
+        log = open(scratch / f"part-{i}.log", "w")  # noqa: SIM115 - closed after its child exits
         children.append((i, len(share), subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     entries: list[dict[str, Any]] = []
     for i, count, child, log in children:
@@ -204,8 +242,9 @@ def _run_jobs(args, runnable, classes, device, progress, task) -> list[dict[str,
             entries += json.loads(part.read_text())["results"]
         else:
             tail = (scratch / f"part-{i}.log").read_text().strip().splitlines()[-3:]
-            progress.console.print(f"[red]verify worker {i} exited {child.returncode} without results[/red]: "
-                                   + " | ".join(tail))
+            progress.console.print(
+                f"[red]verify worker {i} exited {child.returncode} without results[/red]: " + " | ".join(tail)
+            )
         progress.update(task, advance=count * len(runnable), description=f"worker {i} done")
     return entries
 

@@ -115,7 +115,9 @@ class Record:
             isinstance(record.case_class, str)
             and type(record.passed) is bool
             and type(record.quick) is bool
-            and isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and not math.isnan(ratio)
+            and isinstance(ratio, (int, float))
+            and not isinstance(ratio, bool)
+            and not math.isnan(ratio)
             and record.source in ("verify", "lazy")
             and isinstance(record.cases, list)
             and (record.reason is None or isinstance(record.reason, str))

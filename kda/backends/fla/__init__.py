@@ -72,8 +72,9 @@ class FLABackend(Backend):
         try:
             fla_triton_chunk_kda()
         except Exception as error:
-            return Verdict.no(f"fla.ops.kda does not load ({type(error).__name__}: {error}); "
-                              "install the `fla` extra (PyPI fla-core)")
+            return Verdict.no(
+                f"fla.ops.kda does not load ({type(error).__name__}: {error}); install the `fla` extra (PyPI fla-core)"
+            )
         if not torch.cuda.is_available():
             return Verdict.no("FLA's Triton kernels need a GPU; none is visible")
         return Verdict.yes()
@@ -107,7 +108,11 @@ class FLABackend(Backend):
             cu_seqlens_cpu = None if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
         with torch.set_grad_enabled(spec.requires_grad):
             o, final_state = run(
-                tensors["q"], tensors["k"], tensors["v"], tensors["g"], tensors["beta"],
+                tensors["q"],
+                tensors["k"],
+                tensors["v"],
+                tensors["g"],
+                tensors["beta"],
                 scale=spec.scale,
                 initial_state=tensors.get("initial_state"),
                 output_final_state=spec.output_final_state,
@@ -139,13 +144,22 @@ class FLABackend(Backend):
         from kda.verify.check import is_verifying
 
         # Under the verifier the graph is kept, so that an unpinned retry (see below) can run it again.
-        found = torch.autograd.grad(outputs, list(leaves.values()), upstream, allow_unused=True,
-                                    retain_graph=is_verifying())
-        grads = {name: (torch.zeros_like(leaf) if grad is None else grad)
-                 for (name, leaf), grad in zip(leaves.items(), found)}
+        found = torch.autograd.grad(
+            outputs, list(leaves.values()), upstream, allow_unused=True, retain_graph=is_verifying()
+        )
+        grads = {
+            name: (torch.zeros_like(leaf) if grad is None else grad)
+            for (name, leaf), grad in zip(leaves.items(), found)
+        }
         return KDAGradients(
-            dq=grads.get("q"), dk=grads.get("k"), dv=grads.get("v"), dg=grads.get("g"), dbeta=grads.get("beta"),
-            dA_log=grads.get("A_log"), ddt_bias=grads.get("dt_bias"), dinitial_state=grads.get("initial_state"),
+            dq=grads.get("q"),
+            dk=grads.get("k"),
+            dv=grads.get("v"),
+            dg=grads.get("g"),
+            dbeta=grads.get("beta"),
+            dA_log=grads.get("A_log"),
+            ddt_bias=grads.get("dt_bias"),
+            dinitial_state=grads.get("initial_state"),
         )
 
 

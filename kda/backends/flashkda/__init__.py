@@ -55,8 +55,10 @@ class FlashKDABackend(Backend):
         try:
             module = _flash_kda()
         except Exception as error:  # not installed, or a broken build: either way it cannot run here
-            return Verdict.no(f"flash_kda does not import ({type(error).__name__}: {error}); "
-                              "install the `flashkda` extra (PyPI tokenspeed-flashkda)")
+            return Verdict.no(
+                f"flash_kda does not import ({type(error).__name__}: {error}); "
+                "install the `flashkda` extra (PyPI tokenspeed-flashkda)"
+            )
         if not callable(getattr(module, "fwd", None)):
             return Verdict.no("flash_kda has no callable `fwd`")
         return Verdict.yes()
@@ -87,8 +89,9 @@ class FlashKDABackend(Backend):
         if spec.HV != spec.H:
             broken.append(f"no GVA: needs HV == H (got H={spec.H}, HV={spec.HV})")
         if spec.gate_mode is not GateMode.SAFE:
-            broken.append("needs the safe in-kernel gate (use_gate_in_kernel=True, safe_gate=True); "
-                          f"got {spec.gate_mode.value}")
+            broken.append(
+                f"needs the safe in-kernel gate (use_gate_in_kernel=True, safe_gate=True); got {spec.gate_mode.value}"
+            )
         if not spec.use_qk_l2norm_in_kernel:
             broken.append("needs use_qk_l2norm_in_kernel=True (its l2norm is fused)")
         if not spec.use_beta_sigmoid_in_kernel:
@@ -104,8 +107,11 @@ class FlashKDABackend(Backend):
         # q, k, v, g: [B, T, H, 128] bf16; beta: [B, T, H] bf16 logits
         q, k, v, g, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
         A_log = inputs.A_log if inputs.A_log is not None else torch.zeros(H, dtype=torch.float32, device=device)
-        dt_bias = (inputs.dt_bias.reshape(H, K) if inputs.dt_bias is not None
-                   else torch.zeros(H, K, dtype=torch.float32, device=device))  # [H, K] fp32
+        dt_bias = (
+            inputs.dt_bias.reshape(H, K)
+            if inputs.dt_bias is not None
+            else torch.zeros(H, K, dtype=torch.float32, device=device)
+        )  # [H, K] fp32
 
         o = out.o if out is not None and out.o.is_contiguous() else torch.empty_like(v)  # [B, T, H, V]
 
@@ -115,17 +121,37 @@ class FlashKDABackend(Backend):
             h0 = h0.contiguous() if spec.state_v_first else h0.transpose(-1, -2).contiguous()
         final_v_first = None
         if spec.output_final_state:
-            reuse = (out is not None and out.final_state is not None and spec.state_v_first
-                     and out.final_state.is_contiguous())
-            final_v_first = out.final_state if reuse else torch.empty(
-                spec.num_seqs, H, spec.V, K, dtype=torch.float32, device=device)
+            reuse = (
+                out is not None
+                and out.final_state is not None
+                and spec.state_v_first
+                and out.final_state.is_contiguous()
+            )
+            final_v_first = (
+                out.final_state
+                if reuse
+                else torch.empty(spec.num_seqs, H, spec.V, K, dtype=torch.float32, device=device)
+            )
 
         cu_seqlens = inputs.cu_seqlens
         if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
             cu_seqlens = cu_seqlens.to(torch.int64)
 
-        fwd(q, k, v, g, beta, spec.scale, o, A_log=A_log.contiguous(), dt_bias=dt_bias.contiguous(),
-            lower_bound=float(spec.lower_bound), initial_state=h0, final_state=final_v_first, cu_seqlens=cu_seqlens)
+        fwd(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            spec.scale,
+            o,
+            A_log=A_log.contiguous(),
+            dt_bias=dt_bias.contiguous(),
+            lower_bound=float(spec.lower_bound),
+            initial_state=h0,
+            final_state=final_v_first,
+            cu_seqlens=cu_seqlens,
+        )
 
         if out is not None and o is not out.o:
             out.o.copy_(o)

@@ -11,6 +11,7 @@ forward and backward), so training costs one extra forward.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -43,8 +44,14 @@ def _torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype):
     if spec.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     beta = beta_transform(beta, sigmoid=spec.use_beta_sigmoid_in_kernel, allow_neg_eigval=spec.allow_neg_eigval)
-    g = log_decay(g, use_gate_in_kernel=spec.use_gate_in_kernel, safe_gate_on=spec.safe_gate, A_log=A_log,
-                  dt_bias=dt_bias, lower_bound=spec.lower_bound)
+    g = log_decay(
+        g,
+        use_gate_in_kernel=spec.use_gate_in_kernel,
+        safe_gate_on=spec.safe_gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=spec.lower_bound,
+    )
 
     group = spec.HV // spec.H
     # [B, T, heads, D] -> [B, HV, T, D]: value head hv reads q/k head hv // group
@@ -63,14 +70,22 @@ def _torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype):
         if broken is not None:  # the spec could not read a device-resident cu_seqlens without a sync
             raise KDAInputError("cu_seqlens", broken)
         outs, states = [], []
-        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for n, (start, end) in enumerate(itertools.pairwise(bounds)):
             h0_n = None if h0 is None else h0[n : n + 1]
             span = slice(start, end)
             if end == start:  # an empty sequence: no output rows, the state passes through
                 states.append(h0_n if h0_n is not None else q.new_zeros(1, spec.HV, spec.K, spec.V))
                 continue
-            o_n, s_n = chunked_delta_rule(q[:, :, span], k[:, :, span], v[:, :, span], g[:, :, span],
-                                          beta[:, :, span], spec.scale, h0_n, spec.chunk_size)
+            o_n, s_n = chunked_delta_rule(
+                q[:, :, span],
+                k[:, :, span],
+                v[:, :, span],
+                g[:, :, span],
+                beta[:, :, span],
+                spec.scale,
+                h0_n,
+                spec.chunk_size,
+            )
             outs.append(o_n)
             states.append(s_n)
         o, state = torch.cat(outs, dim=2), torch.cat(states, dim=0)
@@ -130,6 +145,12 @@ class TorchBackend(Backend):
                 grad = torch.zeros_like(leaf)  # e.g. dinitial_state of an empty sequence path
             result[name] = None if grad is None else grad.to(leaf.dtype)
         return KDAGradients(
-            dq=result["q"], dk=result["k"], dv=result["v"], dg=result["g"], dbeta=result["beta"],
-            dA_log=result["A_log"], ddt_bias=result["dt_bias"], dinitial_state=result["initial_state"],
+            dq=result["q"],
+            dk=result["k"],
+            dv=result["v"],
+            dg=result["g"],
+            dbeta=result["beta"],
+            dA_log=result["A_log"],
+            ddt_bias=result["dt_bias"],
+            dinitial_state=result["initial_state"],
         )

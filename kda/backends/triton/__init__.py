@@ -84,8 +84,9 @@ class TritonBackend(Backend):
 
         return triton_forward(inputs, spec, out)
 
-    def backward(self, inputs: KDAInputs, spec: KDASpec, saved, do: torch.Tensor,
-                 dfinal_state: torch.Tensor | None) -> KDAGradients:
+    def backward(
+        self, inputs: KDAInputs, spec: KDASpec, saved, do: torch.Tensor, dfinal_state: torch.Tensor | None
+    ) -> KDAGradients:
         from kda.backends.triton.backward import triton_backward
 
         return triton_backward(inputs, spec, saved, do, dfinal_state)

@@ -49,18 +49,31 @@ DIFFERENCE_STEP = tl.constexpr(8.0)
 
 @triton.jit
 def bwd_state_kernel(
-    q, k,  # [tokens, H, K]
-    G, w,  # [tokens, HV, K] fp32
+    q,
+    k,  # [tokens, H, K]
+    G,
+    w,  # [tokens, HV, K] fp32
     A_qk,  # [NT, HV, BT, BT] fp32
     do,  # [tokens, HV, V]
     dd,  # [tokens, HV, V] fp32 out: gradient of v_new
     dh,  # [NT, HV, K, V] fp32 out: gradient of the state leaving each chunk
-    dht, dh0,  # [N, HV, K, V] (or V-first) fp32, or dummies
-    bounds, chunk_offsets,
+    dht,
+    dh0,  # [N, HV, K, V] (or V-first) fp32, or dummies
+    bounds,
+    chunk_offsets,
     scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, V_FIRST: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    L2: tl.constexpr,
+    HAS_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    V_FIRST: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -76,7 +89,7 @@ def bwd_state_kernel(
         dS = tl.zeros([BK, BV], dtype=tl.float32)
     r = tl.arange(0, BT)
     num_chunks = tl.cdiv(eos - bos, BT)
-    for i in range(0, num_chunks):
+    for i in range(num_chunks):
         c = num_chunks - 1 - i
         start = bos + c * BT
         rows = start + r
@@ -99,35 +112,57 @@ def bwd_state_kernel(
         k_c = k_c * tl.where(m_k, tl.exp(tl.where(m_k, g_last[None, :] - g_c, 0.0)), 0.0)
         do_c = tl.load(do + v_off, mask=m_v, other=0.0).to(tl.float32)
         a_qk = tl.load(A_qk + chunk * BT * BT + r[:, None] * BT + r[None, :])
-        dd_c = scale * dot(tl.trans(a_qk), do_c, DOT_PRECISION) \
-            + dot(k_c, dS, DOT_PRECISION)
+        dd_c = scale * dot(tl.trans(a_qk), do_c, DOT_PRECISION) + dot(k_c, dS, DOT_PRECISION)
         tl.store(dd + v_off, dd_c, mask=m_v)
         w_c = tl.load(w + k_off, mask=m_k, other=0.0)
-        dS = dS * tl.exp(g_last)[:, None] + scale * dot(tl.trans(q_c), do_c, DOT_PRECISION) \
+        dS = (
+            dS * tl.exp(g_last)[:, None]
+            + scale * dot(tl.trans(q_c), do_c, DOT_PRECISION)
             - dot(tl.trans(w_c), dd_c, DOT_PRECISION)
+        )
     if STORE_DH0:
         tl.store(dh0 + state_off, dS, mask=state_mask)
 
 
 @triton.jit
 def bwd_chunk_kernel(
-    q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
+    q,
+    k,
+    v,
+    beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
     G,  # [tokens, HV, K] fp32
-    h, dh,  # [NT, HV, K, V] fp32: state entering each chunk, gradient of the state leaving it
-    v_new, dd, do,  # [tokens, HV, V]
-    T_inv, A_qk, M,  # [NT, HV, BT, BT] fp32 (M and A_qk are overwritten by dM and dQ)
+    h,
+    dh,  # [NT, HV, K, V] fp32: state entering each chunk, gradient of the state leaving it
+    v_new,
+    dd,
+    do,  # [tokens, HV, V]
+    T_inv,
+    A_qk,
+    M,  # [NT, HV, BT, BT] fp32 (M and A_qk are overwritten by dM and dQ)
     norms,  # [NT, HV, 2, BT] fp32 scratch: 1 / |q| and 1 / |k| per row, for the pairwise blocks
-    dq, dk, da,  # out, fp32: [tokens, HV, K] each (da: of the log decay a)
+    dq,
+    dk,
+    da,  # out, fp32: [tokens, HV, K] each (da: of the log decay a)
     dv,  # out: [tokens, HV, V] in v's dtype (its only store: rounded once here rather than cast after)
     dbeta,  # out, fp32: [tokens, HV]
-    chunk_starts, chunk_seq_ends,
+    chunk_starts,
+    chunk_seq_ends,
     scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    L2: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TWO: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
     BKB: tl.constexpr,  # K columns per block (every [C, K] quantity is taken BKB columns at a time)
-    BKC: tl.constexpr, BC: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    BKC: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND: tl.constexpr,
     # For timing only (`benchmarks/triton_stages.py --train-sweep`), wrong gradients otherwise: 0 leaves
     # out the pairwise terms, 1 their diagonal blocks.
     PAIRS: tl.constexpr = 2,
@@ -235,8 +270,33 @@ def bwd_chunk_kernel(
     tl.debug_barrier()
     for I in range(BT // BC):  # run-time loops here and below: unrolled, this kernel took 53 s to compile
         if start + I * BC < end and PAIRS > 0:
-            _pairwise_row_block(q, k, G, M, A_qk, norms, dq, dk, da, chunk, start, end, i_h, i_hv, I,
-                                H, HV, K, BT, BK, BKB, BKC, BC, DOT_PRECISION, PAIRS > 1)
+            _pairwise_row_block(
+                q,
+                k,
+                G,
+                M,
+                A_qk,
+                norms,
+                dq,
+                dk,
+                da,
+                chunk,
+                start,
+                end,
+                i_h,
+                i_hv,
+                I,
+                H,
+                HV,
+                K,
+                BT,
+                BK,
+                BKB,
+                BKC,
+                BC,
+                DOT_PRECISION,
+                PAIRS > 1,
+            )
 
 
 @triton.jit
@@ -248,8 +308,9 @@ def _v_rows(i_v, rows, valid, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.co
 
 
 @triton.jit
-def _inv_norms(x, rows, valid, head, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
-               L2: tl.constexpr):
+def _inv_norms(
+    x, rows, valid, head, HEADS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr, L2: tl.constexpr
+):
     """Per row of ``x [tokens, HEADS, K]`` at ``rows``: ``1 / sqrt(sum_c x^2 + eps)`` over the whole head
     dimension, summed BKB columns at a time, with l2norm in kernel; else 1."""
     inv = tl.full([rows.shape[0]], 1.0, tl.float32)
@@ -257,8 +318,9 @@ def _inv_norms(x, rows, valid, head, HEADS: tl.constexpr, K: tl.constexpr, BK: t
         squares = tl.zeros([rows.shape[0]], dtype=tl.float32)
         for c0 in range(0, BK, BKB):
             cols = c0 + tl.arange(0, BKB)
-            x_b = tl.load(_rows(x, rows, head, cols, HEADS, K), mask=valid[:, None] & (cols[None, :] < K),
-                          other=0.0).to(tl.float32)
+            x_b = tl.load(
+                _rows(x, rows, head, cols, HEADS, K), mask=valid[:, None] & (cols[None, :] < K), other=0.0
+            ).to(tl.float32)
             squares += tl.sum(x_b * x_b, axis=1)
         inv = tl.rsqrt(squares + 1e-6)  # eps as kda.reference.l2norm
     return inv
@@ -279,10 +341,33 @@ def _sum_before(x):
 
 
 @triton.jit
-def _pairwise_row_block(q, k, G, dM, dQ, norms, dq, dk, da, chunk, start, end, i_h, i_hv, I,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                        BKB: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        DIAGONAL: tl.constexpr):
+def _pairwise_row_block(
+    q,
+    k,
+    G,
+    dM,
+    dQ,
+    norms,
+    dq,
+    dk,
+    da,
+    chunk,
+    start,
+    end,
+    i_h,
+    i_hv,
+    I,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BKB: tl.constexpr,
+    BKC: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
     """For rows ``i`` of sub-chunk I: ``rk_i = sum_j dM_ij k_j E_ij``, ``rq_i = sum_j dQ_ij k_j E_ij``, and for
     every earlier column ``j``: ``ck_j += sum_i (dM_ij k_i + dQ_ij q_i) E_ij``; then ``dk += rk + ck``,
     ``dq += rq``, and ``da_t += sum_{i >= t > j} P_ij`` over the pairs with i in sub-chunk I
@@ -347,8 +432,9 @@ def _pairwise_row_block(q, k, G, dM, dQ, norms, dq, dk, da, chunk, start, end, i
             dQ_ij = tl.load(dQ + blk)
             rk += dot(dM_ij, k_j * early, DOT_PRECISION)
             rq += dot(dQ_ij, k_j * early, DOT_PRECISION)
-            ck = (dot(tl.trans(dM_ij), k_i * late, DOT_PRECISION)
-                  + dot(tl.trans(dQ_ij), q_i * late, DOT_PRECISION)) * early
+            ck = (
+                dot(tl.trans(dM_ij), k_i * late, DOT_PRECISION) + dot(tl.trans(dQ_ij), q_i * late, DOT_PRECISION)
+            ) * early
             dk_j = _rows(dk, rows_j, i_hv, cols, HV, K)
             da_j = _rows(da, rows_j, i_hv, cols, HV, K)
             col = k_j * ck  # [BC, BKB]: sum_i P_ij over this block's rows, per column j
@@ -374,17 +460,59 @@ def _pairwise_row_block(q, k, G, dM, dQ, norms, dq, dk, da, chunk, start, end, i
 
         if DIAGONAL:  # (False for timing only: see PAIRS)
             if by_products:
-                _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC,
-                                      DOT_PRECISION)
+                _diagonal_by_products(
+                    k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC, DOT_PRECISION
+                )
             else:
-                _diagonal_elementwise_grad(q, k, G, dM_ii, dQ_ii, q_norm, k_norm, dq, dk, da, rows_i, valid_i,
-                                           i_h, i_hv, c0, H, HV, K, BKB, BKC, BC)
+                _diagonal_elementwise_grad(
+                    q,
+                    k,
+                    G,
+                    dM_ii,
+                    dQ_ii,
+                    q_norm,
+                    k_norm,
+                    dq,
+                    dk,
+                    da,
+                    rows_i,
+                    valid_i,
+                    i_h,
+                    i_hv,
+                    c0,
+                    H,
+                    HV,
+                    K,
+                    BKB,
+                    BKC,
+                    BC,
+                )
 
 
 @triton.jit
-def _diagonal_elementwise_grad(q, k, G, dM_ii, dQ_ii, q_norm, k_norm, dq, dk, da, rows_i, valid_i, i_h, i_hv, c0,
-                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKB: tl.constexpr,
-                               BKC: tl.constexpr, BC: tl.constexpr):
+def _diagonal_elementwise_grad(
+    q,
+    k,
+    G,
+    dM_ii,
+    dQ_ii,
+    q_norm,
+    k_norm,
+    dq,
+    dk,
+    da,
+    rows_i,
+    valid_i,
+    i_h,
+    i_hv,
+    c0,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BKB: tl.constexpr,
+    BKC: tl.constexpr,
+    BC: tl.constexpr,
+):
     """The diagonal block's terms of `_pairwise_row_block` for columns ``c0 .. c0 + BKB``, element by element
     over BKC-column slices, each exponent masked to -inf above the diagonal before ``exp``: exact whatever
     the decays (every term of ``da_t`` carries the decay across t)."""
@@ -416,8 +544,9 @@ def _diagonal_elementwise_grad(q, k, G, dM_ii, dQ_ii, q_norm, k_norm, dq, dk, da
 
 
 @triton.jit
-def _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+def _diagonal_by_products(
+    k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i, da_i, m_i, BC: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """The diagonal block's terms of `_pairwise_row_block` by ``[16, 16] x [16, K]`` products, with
     ``E_ij = late_i early_j`` against the block's first row ``a`` (``late = e^(G_i - G_a) <= 1``, ``early =
     e^(G_a - G_j) <= e^span``; dM is strictly lower, dQ lower, so no kept product exceeds 1)::
@@ -439,8 +568,9 @@ def _diagonal_by_products(k_i, q_i, g_i, anchor, late, dM_ii, dQ_ii, dq_i, dk_i,
     k_early = k_i * early
     rk = dot(dM_ii, k_early, DOT_PRECISION) * late
     rq = dot(dQ_strict, k_early, DOT_PRECISION) * late
-    cols = (dot(tl.trans(dM_ii), k_i * late, DOT_PRECISION)
-            + dot(tl.trans(dQ_strict), q_i * late, DOT_PRECISION)) * early
+    cols = (
+        dot(tl.trans(dM_ii), k_i * late, DOT_PRECISION) + dot(tl.trans(dQ_strict), q_i * late, DOT_PRECISION)
+    ) * early
     tl.store(dk_i, tl.load(dk_i, mask=m_i, other=0.0) + rk + cols + diag[:, None] * q_i, mask=m_i)
     tl.store(dq_i, tl.load(dq_i, mask=m_i, other=0.0) + rq + diag[:, None] * k_i, mask=m_i)
     pairs = k_i * rk + q_i * rq - k_i * cols  # R - C
@@ -469,12 +599,33 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
     BV = min(config.backward_state_block_v, BV_all)
     L2 = spec.use_qk_l2norm_in_kernel
     bwd_state_kernel[(N, HV, triton.cdiv(V, BV))](
-        q, k, saved["G"], saved["w"], saved["A_qk"], do, dd, dh,
-        dht if dht is not None else dd, dh0 if dh0 is not None else dd,
-        layout.bounds, layout.chunk_offsets, spec.scale,
-        H=H, HV=HV, K=K, V=V, L2=L2, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision.backward_state,
-        num_warps=config.backward_state_warps, num_stages=1,
+        q,
+        k,
+        saved["G"],
+        saved["w"],
+        saved["A_qk"],
+        do,
+        dd,
+        dh,
+        dht if dht is not None else dd,
+        dh0 if dh0 is not None else dd,
+        layout.bounds,
+        layout.chunk_offsets,
+        spec.scale,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        L2=L2,
+        HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None,
+        V_FIRST=spec.state_v_first,
+        BT=C,
+        BK=BK,
+        BV=BV,
+        DOT_PRECISION=precision.backward_state,
+        num_warps=config.backward_state_warps,
+        num_stages=1,
     )
     dq_h = torch.zeros(tokens, HV, K, dtype=f32, device=device)
     dk_h, da = torch.zeros_like(dq_h), torch.zeros_like(dq_h)
@@ -483,14 +634,45 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
     dbeta_h = torch.zeros(tokens, HV, dtype=f32, device=device)
     if NT > 0:
         bwd_chunk_kernel[(NT, HV)](
-            q, k, v, beta, saved["G"], saved["h"], dh, saved["v_new"], dd, do, saved["T"], saved["A_qk"],
-            saved["M"], torch.empty(NT, HV, 2, C, dtype=f32, device=device), dq_h, dk_h, da, dv, dbeta_h,
-            layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
-            H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=min(config.backward_block_v, BV_all), BKB=min(config.backward_block_k, BK),
-            BKC=min(BK, config.backward_block_k, 16), BC=SUB_CHUNK, DOT_PRECISION=precision.backward_chunk,
+            q,
+            k,
+            v,
+            beta,
+            saved["G"],
+            saved["h"],
+            dh,
+            saved["v_new"],
+            dd,
+            do,
+            saved["T"],
+            saved["A_qk"],
+            saved["M"],
+            torch.empty(NT, HV, 2, C, dtype=f32, device=device),
+            dq_h,
+            dk_h,
+            da,
+            dv,
+            dbeta_h,
+            layout.chunk_starts,
+            layout.chunk_seq_ends,
+            spec.scale,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            L2=L2,
+            SIGMOID=spec.use_beta_sigmoid_in_kernel,
+            TWO=spec.allow_neg_eigval,
+            BT=C,
+            BK=BK,
+            BV=min(config.backward_block_v, BV_all),
+            BKB=min(config.backward_block_k, BK),
+            BKC=min(BK, config.backward_block_k, 16),
+            BC=SUB_CHUNK,
+            DOT_PRECISION=precision.backward_chunk,
             ROUND=interpreting(),
-            num_warps=config.backward_warps, num_stages=config.backward_stages,
+            num_warps=config.backward_warps,
+            num_stages=config.backward_stages,
         )
     dq, dk, dg, dbeta, dA_log, ddt_bias = fused_tails(inputs, spec, dq_h, dk_h, da, dbeta_h)
 
@@ -500,7 +682,12 @@ def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: t
         return torch.zeros_like(ref) if grad is None else grad.to(ref.dtype)
 
     return KDAGradients(
-        dq=dq, dk=dk, dv=like(dv.view(B, T, HV, V), inputs.v), dg=dg.view_as(inputs.g),
-        dbeta=dbeta.view_as(inputs.beta), dA_log=like(dA_log, inputs.A_log),
-        ddt_bias=like(ddt_bias, inputs.dt_bias), dinitial_state=like(dh0, inputs.initial_state),
+        dq=dq,
+        dk=dk,
+        dv=like(dv.view(B, T, HV, V), inputs.v),
+        dg=dg.view_as(inputs.g),
+        dbeta=dbeta.view_as(inputs.beta),
+        dA_log=like(dA_log, inputs.A_log),
+        ddt_bias=like(ddt_bias, inputs.dt_bias),
+        dinitial_state=like(dh0, inputs.initial_state),
     )

@@ -47,8 +47,11 @@ def chunk_forward(q, k, v, beta, a, scale, S0, C):
         d = U - W @ S
         outs.append(scale * ((qc * G.exp()) @ S + Q @ d))
         kt = kc * (G[-1][None, :] - G).exp()
-        saved.append(dict(r=r, q=qc, k=kc, v=vc, b=bc, G=G, E_kk=E_kk, E_qk=E_qk, M=M, Q=Q, T=Tm, X=X, Y=Y,
-                          W=W, d=d, S0=S, kt=kt))
+        saved.append(
+            dict(
+                r=r, q=qc, k=kc, v=vc, b=bc, G=G, E_kk=E_kk, E_qk=E_qk, M=M, Q=Q, T=Tm, X=X, Y=Y, W=W, d=d, S0=S, kt=kt
+            )
+        )
         S = G[-1].exp()[:, None] * S + kt.T @ d
     return torch.cat(outs), S, saved
 
@@ -99,8 +102,12 @@ def chunk_backward(saved, do, dS_T, scale):
         # through M_ij = sum_c k_i k_j E_ij and Q_ij = sum_c q_i k_j E_ij
         PM = dM[:, :, None] * c["E_kk"]  # [i, j, c]
         PQ = dQ[:, :, None] * c["E_qk"]
-        dkc = dkc + torch.einsum("ijc,jc->ic", PM, k) + torch.einsum("ijc,ic->jc", PM, k) \
+        dkc = (
+            dkc
+            + torch.einsum("ijc,jc->ic", PM, k)
+            + torch.einsum("ijc,ic->jc", PM, k)
             + torch.einsum("ijc,ic->jc", PQ, q)
+        )
         dqc = dqc + torch.einsum("ijc,jc->ic", PQ, k)
         P = PM * k[:, None, :] * k[None, :, :] + PQ * q[:, None, :] * k[None, :, :]  # [i, j, c]
         # G = cumsum(a), so da_t = sum_{s >= t} dG_s, in the form of the docstring

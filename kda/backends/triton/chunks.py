@@ -8,6 +8,7 @@ sequence ``n`` spans tokens ``[bounds[n], bounds[n+1])``; its chunks start every
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ def _layout(bounds: tuple[int, ...], chunk_size: int, device: str) -> ChunkLayou
     starts: list[int] = []
     seq_ends: list[int] = []
     offsets: list[int] = []
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
+    for bos, eos in itertools.pairwise(bounds):
         offsets.append(len(starts))
         for start in range(bos, eos, chunk_size):
             starts.append(start)
@@ -41,5 +42,6 @@ def _layout(bounds: tuple[int, ...], chunk_size: int, device: str) -> ChunkLayou
     def as_tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(values if values else [0], dtype=torch.int32, device=device)
 
-    return ChunkLayout(as_tensor(bounds), as_tensor(starts), as_tensor(seq_ends), as_tensor(offsets),
-                       len(bounds) - 1, len(starts))
+    return ChunkLayout(
+        as_tensor(bounds), as_tensor(starts), as_tensor(seq_ends), as_tensor(offsets), len(bounds) - 1, len(starts)
+    )

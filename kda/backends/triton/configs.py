@@ -107,17 +107,43 @@ class LaunchConfig:
 # intra at K = 256 in steps of 64 3.55 ms against 2.62 in one (sweep.txt), training's at K = 128 in steps
 # of 64 0.758 against 0.761 and of 32 0.812 (train-sweep.txt): neither taken.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
-    9: {"small": LaunchConfig(64, 4, 2, 128, 4, 2, measured=True, intra_block_w=32, intra_stages=1,
-                              gate_block_k=64, training_intra_block_w=16, backward_state_warps=8),
-        "large": LaunchConfig(64, 4, 2, 64, 4, 1, measured=True, intra_block_w=32, intra_stages=1,
-                              gate_block_k=64, backward_state_block_v=32, backward_state_warps=8,
-                              training_intra_block_k=64)},
+    9: {
+        "small": LaunchConfig(
+            64,
+            4,
+            2,
+            128,
+            4,
+            2,
+            measured=True,
+            intra_block_w=32,
+            intra_stages=1,
+            gate_block_k=64,
+            training_intra_block_w=16,
+            backward_state_warps=8,
+        ),
+        "large": LaunchConfig(
+            64,
+            4,
+            2,
+            64,
+            4,
+            1,
+            measured=True,
+            intra_block_w=32,
+            intra_stages=1,
+            gate_block_k=64,
+            backward_state_block_v=32,
+            backward_state_warps=8,
+            training_intra_block_k=64,
+        ),
+    },
 }
 # Other architectures: sm90's choices, unmeasured there.
-_DEFAULT = {"small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
-            "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64)}
-
-
+_DEFAULT = {
+    "small": LaunchConfig(64, 4, 2, 128, 4, 2, intra_block_w=32, intra_stages=1, gate_block_k=64),
+    "large": LaunchConfig(64, 4, 2, 64, 4, 1, intra_block_w=32, intra_stages=1, gate_block_k=64),
+}
 
 
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:

@@ -83,8 +83,11 @@ def plan_forward(
     ROUND = interpreting()  # bf16 stores round by hand under the interpreter (see `storage`)
     save = spec.requires_grad  # training keeps M (A_kk without beta) and T (written over A_kk) for the backward
     M = torch.empty_like(A_kk) if save else None
-    o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=spec.dtype,
-                                                                             device=device)
+    o = (
+        out.o
+        if out is not None and out.o.is_contiguous()
+        else torch.empty(B, T, HV, V, dtype=spec.dtype, device=device)
+    )
     ht = None
     if spec.output_final_state:
         reuse = out is not None and out.final_state is not None and out.final_state.is_contiguous()
@@ -98,38 +101,109 @@ def plan_forward(
 
     def gate_stage() -> None:
         gate_cumsum_kernel[(NT, HV, triton.cdiv(K, BKg))](
-            g, A_log if A_log is not None else G, dt_bias if dt_bias is not None else G, G,
-            layout.chunk_starts, layout.chunk_seq_ends, float(spec.lower_bound or 0.0),
-            HV=HV, K=K, GATE=gate, HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BT=C, BK=BKg, BC=SUB_CHUNK,
+            g,
+            A_log if A_log is not None else G,
+            dt_bias if dt_bias is not None else G,
+            G,
+            layout.chunk_starts,
+            layout.chunk_seq_ends,
+            float(spec.lower_bound or 0.0),
+            HV=HV,
+            K=K,
+            GATE=gate,
+            HAS_A_LOG=A_log is not None,
+            HAS_DT_BIAS=dt_bias is not None,
+            BT=C,
+            BK=BKg,
+            BC=SUB_CHUNK,
             num_warps=config.gate_warps,
         )
 
     def intra_stage() -> None:
         intra_chunk_kernel[(NT, HV)](
-            q, k, v, beta, G, A_kk, A_qk, M if save else G, w, u, k_g,
-            layout.chunk_starts, layout.chunk_seq_ends,
-            H=H, HV=HV, K=K, V=V, L2=L2, SIGMOID=spec.use_beta_sigmoid_in_kernel, TWO=spec.allow_neg_eigval,
-            BT=C, BK=BK, BV=BV_all, BKC=min(BK, 32), BC=SUB_CHUNK, BW=intra_block_w(config, BK, BV_all, save),
+            q,
+            k,
+            v,
+            beta,
+            G,
+            A_kk,
+            A_qk,
+            M if save else G,
+            w,
+            u,
+            k_g,
+            layout.chunk_starts,
+            layout.chunk_seq_ends,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            L2=L2,
+            SIGMOID=spec.use_beta_sigmoid_in_kernel,
+            TWO=spec.allow_neg_eigval,
+            BT=C,
+            BK=BK,
+            BV=BV_all,
+            BKC=min(BK, 32),
+            BC=SUB_CHUNK,
+            BW=intra_block_w(config, BK, BV_all, save),
             BKS=intra_block_k(config, BK, save),
-            DOT_PRECISION=precision.intra, SAVE=save, ROUND=ROUND,
+            DOT_PRECISION=precision.intra,
+            SAVE=save,
+            ROUND=ROUND,
             STORED_OPERANDS=store != f32 and config.intra_half_products,
-            num_warps=config.intra_warps, num_stages=config.intra_stages,
+            num_warps=config.intra_warps,
+            num_stages=config.intra_stages,
         )
 
     def state_stage() -> None:
         state_pass_kernel[(N, HV, triton.cdiv(V, BV))](
-            k_g, w, u, G, h, h0 if h0 is not None else G, ht if ht is not None else G,
-            layout.bounds, layout.chunk_offsets,
-            HV=HV, K=K, V=V, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-            V_FIRST=spec.state_v_first, BT=C, BK=BK, BV=BV, DOT_PRECISION=precision.state, ROUND=ROUND,
+            k_g,
+            w,
+            u,
+            G,
+            h,
+            h0 if h0 is not None else G,
+            ht if ht is not None else G,
+            layout.bounds,
+            layout.chunk_offsets,
+            HV=HV,
+            K=K,
+            V=V,
+            HAS_H0=h0 is not None,
+            STORE_HT=ht is not None,
+            V_FIRST=spec.state_v_first,
+            BT=C,
+            BK=BK,
+            BV=BV,
+            DOT_PRECISION=precision.state,
+            ROUND=ROUND,
             STORED_OPERANDS=store != f32,
-            num_warps=config.state_warps, num_stages=config.state_stages,
+            num_warps=config.state_warps,
+            num_stages=config.state_stages,
         )
 
     def output_stage() -> None:
         output_kernel[(NT, HV, triton.cdiv(V, BVo))](
-            q, G, h, u, A_qk, o, layout.chunk_starts, layout.chunk_seq_ends, spec.scale,
-            H=H, HV=HV, K=K, V=V, L2=L2, BT=C, BK=BK, BV=BVo, DOT_PRECISION=precision.output, ROUND=ROUND,
+            q,
+            G,
+            h,
+            u,
+            A_qk,
+            o,
+            layout.chunk_starts,
+            layout.chunk_seq_ends,
+            spec.scale,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            L2=L2,
+            BT=C,
+            BK=BK,
+            BV=BVo,
+            DOT_PRECISION=precision.output,
+            ROUND=ROUND,
             STORED_OPERANDS=store != f32,
             num_warps=config.output_warps,
         )
@@ -151,8 +225,20 @@ def plan_forward(
             result_ht = out.final_state
         saved = None
         if save:
-            saved = {"G": G, "w": w, "v_new": u, "h": h, "A_qk": A_qk, "M": M, "T": A_kk, "layout": layout,
-                     "config": config, "BK": BK, "BV_all": BV_all, "precision": precision}
+            saved = {
+                "G": G,
+                "w": w,
+                "v_new": u,
+                "h": h,
+                "A_qk": A_qk,
+                "M": M,
+                "T": A_kk,
+                "layout": layout,
+                "config": config,
+                "BK": BK,
+                "BV_all": BV_all,
+                "precision": precision,
+            }
         return ForwardResult(result_o, result_ht, saved)
 
     return stages, finish

@@ -89,19 +89,35 @@ def _row_betas(beta, rows, valid, i_hv, HV: tl.constexpr, SIGMOID: tl.constexpr,
 
 @triton.jit
 def intra_chunk_kernel(
-    q, k, v, beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
+    q,
+    k,
+    v,
+    beta,  # [tokens, H, K], [tokens, H, K], [tokens, HV, V], [tokens, HV]
     G,  # [tokens, HV, K] fp32 (stage 1)
     A_kk,  # [NT, HV, BT, BT] fp32 out: T = (I + A_kk)^-1 (written over A_kk)
     A_qk,  # [NT, HV, BT, BT] out (storage dtype)
     M_out,  # [NT, HV, BT, BT] fp32 out for training: A_kk without beta (or a dummy)
-    w, u, k_g,  # [tokens, HV, K], [tokens, HV, V], [tokens, HV, K] out (storage dtype)
-    chunk_starts, chunk_seq_ends,  # [NT] int32
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    L2: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr,
+    w,
+    u,
+    k_g,  # [tokens, HV, K], [tokens, HV, V], [tokens, HV, K] out (storage dtype)
+    chunk_starts,
+    chunk_seq_ends,  # [NT] int32
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    L2: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TWO: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BKC: tl.constexpr,
+    BC: tl.constexpr,
     BW: tl.constexpr,  # columns of w and u per product (a power of 2 dividing BK and BV)
     BKS: tl.constexpr,  # K columns per step of the score products (BK: all at once)
-    DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SAVE: tl.constexpr,
     ROUND: tl.constexpr,  # round bf16 stores by hand (the interpreter truncates; see `storage`)
     STORED_OPERANDS: tl.constexpr,  # w and u from half-width products (bf16/fp16 storage; see below)
     # For timing only (`benchmarks/triton_stages.py --sweep`), wrong results otherwise: 1 stops after the
@@ -120,12 +136,66 @@ def intra_chunk_kernel(
         out_rows = (I * BC + sub)[:, None] * BT
         if start + I * BC < end:
             if BKS < BK:
-                _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv,
-                                       I, H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BKS, BC, DOT_PRECISION, SAVE,
-                                       ROUND)
+                _score_row_block_split(
+                    q,
+                    k,
+                    beta,
+                    G,
+                    A_kk,
+                    A_qk,
+                    M_out,
+                    a_base,
+                    out_rows,
+                    start,
+                    end,
+                    i_h,
+                    i_hv,
+                    I,
+                    H,
+                    HV,
+                    K,
+                    L2,
+                    SIGMOID,
+                    TWO,
+                    BT,
+                    BK,
+                    BKC,
+                    BKS,
+                    BC,
+                    DOT_PRECISION,
+                    SAVE,
+                    ROUND,
+                )
             else:
-                _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
-                                 H, HV, K, L2, SIGMOID, TWO, BT, BK, BKC, BC, DOT_PRECISION, SAVE, ROUND)
+                _score_row_block(
+                    q,
+                    k,
+                    beta,
+                    G,
+                    A_kk,
+                    A_qk,
+                    M_out,
+                    a_base,
+                    out_rows,
+                    start,
+                    end,
+                    i_h,
+                    i_hv,
+                    I,
+                    H,
+                    HV,
+                    K,
+                    L2,
+                    SIGMOID,
+                    TWO,
+                    BT,
+                    BK,
+                    BKC,
+                    BC,
+                    DOT_PRECISION,
+                    SAVE,
+                    ROUND,
+                )
         else:  # the sub-chunk lies past the sequence's end: zero rows
             for J in range(BT // BC):
                 _store_zero_scores(a_base + out_rows + (J * BC + sub)[None, :], A_kk, A_qk, M_out, BC, SAVE)
@@ -140,10 +210,12 @@ def intra_chunk_kernel(
         for J in range(I):
             acc = tl.zeros([BC, BC], dtype=tl.float32)
             for m in range(J, I):  # A_Im (not yet overwritten: m > J) times T_mJ (an earlier row block)
-                acc += dot(tl.load(A_kk + a_base + _block_offsets(I, m, BT, BC)),
-                           tl.load(A_kk + a_base + _block_offsets(m, J, BT, BC)), DOT_PRECISION)
-            tl.store(A_kk + a_base + _block_offsets(I, J, BT, BC),
-                     -dot(d_inv, acc, DOT_PRECISION))
+                acc += dot(
+                    tl.load(A_kk + a_base + _block_offsets(I, m, BT, BC)),
+                    tl.load(A_kk + a_base + _block_offsets(m, J, BT, BC)),
+                    DOT_PRECISION,
+                )
+            tl.store(A_kk + a_base + _block_offsets(I, J, BT, BC), -dot(d_inv, acc, DOT_PRECISION))
         tl.store(A_kk + a_base + _block_offsets(I, I, BT, BC), d_inv)
         tl.debug_barrier()  # row block I of T is read by the later ones
     if PHASES < 3:  # timing only
@@ -197,6 +269,7 @@ def intra_chunk_kernel(
             v_in = operand(stored(v_in, u, ROUND), ROUND)
         tl.store(u + v_off, stored(dot(t_inv, v_in, DOT_PRECISION), u, ROUND), mask=m_v)
 
+
 @triton.jit
 def _block_offsets(I, J, BT: tl.constexpr, BC: tl.constexpr):
     """Offsets of the ``[BC, BC]`` block ``(I, J)`` inside a row-major ``[BT, BT]`` matrix."""
@@ -229,11 +302,35 @@ def _unit_lower_inverse(a, BC: tl.constexpr):
 
 
 @triton.jit
-def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
-                     SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BKC: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE: tl.constexpr,
-                     ROUND: tl.constexpr):
+def _score_row_block(
+    q,
+    k,
+    beta,
+    G,
+    A_kk,
+    A_qk,
+    M_out,
+    a_base,
+    out_rows,
+    start,
+    end,
+    i_h,
+    i_hv,
+    I,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    L2: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TWO: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BKC: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SAVE: tl.constexpr,
+    ROUND: tl.constexpr,
+):
     """Rows ``I*16 .. I*16+15`` of A_kk and A_qk (the first of them inside the sequence)."""
     cols = tl.arange(0, BK)
     sub = tl.arange(0, BC)
@@ -287,11 +384,36 @@ def _score_row_block(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, 
 
 
 @triton.jit
-def _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, start, end, i_h, i_hv, I,
-                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr,
-                           SIGMOID: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                           BKC: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                           SAVE: tl.constexpr, ROUND: tl.constexpr):
+def _score_row_block_split(
+    q,
+    k,
+    beta,
+    G,
+    A_kk,
+    A_qk,
+    M_out,
+    a_base,
+    out_rows,
+    start,
+    end,
+    i_h,
+    i_hv,
+    I,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    L2: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TWO: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BKC: tl.constexpr,
+    BKS: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SAVE: tl.constexpr,
+    ROUND: tl.constexpr,
+):
     """`_score_row_block` with each product summed over ``BKS``-column steps of K, so that a step holds
     ``[16, BKS]`` tiles instead of ``[16, K]`` ones (registers decide how many programs share an SM).
 
@@ -342,8 +464,9 @@ def _score_row_block_split(q, k, beta, G, A_kk, A_qk, M_out, a_base, out_rows, s
                     m_i = valid_i[:, None] & (cs[None, :] < K)
                     m_j = valid_j[:, None] & (cs[None, :] < K)
                     anchor = tl.load(a_row + cs, mask=cs < K, other=0.0)
-                    g_i = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0),
-                                   anchor[None, :])
+                    g_i = tl.where(
+                        m_i, tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0), anchor[None, :]
+                    )
                     late = tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
                     k_i = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
                     q_i = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
@@ -393,8 +516,21 @@ def _rows(ptr, rows, head, cols, HEADS: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                          BK: tl.constexpr, BKC: tl.constexpr, BC: tl.constexpr):
+def _diagonal_elementwise(
+    q,
+    k,
+    G,
+    rows_i,
+    valid_i,
+    i_h,
+    i_hv,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BKC: tl.constexpr,
+    BC: tl.constexpr,
+):
     """A diagonal block's raw (un-normalized) ``k k^T`` (strictly lower) and ``q k^T`` (lower) sums, element
     by element over K slices, each exponent masked to -inf above the diagonal before ``exp``."""
     sub = tl.arange(0, BC)

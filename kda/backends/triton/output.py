@@ -28,11 +28,19 @@ def output_kernel(
     v_new,  # [tokens, HV, V]
     A_qk,  # [NT, HV, BT, BT]
     o,  # [tokens, HV, V] out, in q's dtype
-    chunk_starts, chunk_seq_ends,  # [NT] int32
+    chunk_starts,
+    chunk_seq_ends,  # [NT] int32
     scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    L2: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    L2: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND: tl.constexpr,
     STORED_OPERANDS: tl.constexpr,  # products take h, v_new, A_qk as stored (bf16/fp16; see `storage`)
 ):
     i_c, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -47,12 +55,16 @@ def output_kernel(
     m_k = valid[:, None] & (kcols[None, :] < K)
     m_v = valid[:, None] & (vcols[None, :] < V)
 
-    q_c = tl.load(q + rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :], mask=m_k,
-                  other=0.0).to(tl.float32)
+    q_c = tl.load(q + rows[:, None].to(tl.int64) * (H * K) + i_h * K + kcols[None, :], mask=m_k, other=0.0).to(
+        tl.float32
+    )
     g_c = tl.load(G + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :], mask=m_k, other=0.0)
     q_c = q_c * _inv_norm(q_c, L2)[:, None] * tl.exp(g_c)
-    h_c = tl.load(h + (i_c.to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :],
-                  mask=(kcols[:, None] < K) & (vcols[None, :] < V), other=0.0)
+    h_c = tl.load(
+        h + (i_c.to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :],
+        mask=(kcols[:, None] < K) & (vcols[None, :] < V),
+        other=0.0,
+    )
     v_off = rows[:, None].to(tl.int64) * (HV * V) + i_hv * V + vcols[None, :]
     d_c = tl.load(v_new + v_off, mask=m_v, other=0.0)
     a_qk = tl.load(A_qk + (i_c.to(tl.int64) * HV + i_hv) * BT * BT + r[:, None] * BT + r[None, :])

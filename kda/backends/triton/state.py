@@ -58,13 +58,21 @@ def state_pass_kernel(
     u,  # [tokens, HV, V] (stage 2) in, v_new out (in place)
     G,  # [tokens, HV, K] fp32 (stage 1): only each chunk's last row is read
     h,  # [NT, HV, K, V] out: the state entering each chunk
-    h0, ht,  # [N, HV, K, V] (or [N, HV, V, K] with V_FIRST) fp32, or dummies
+    h0,
+    ht,  # [N, HV, K, V] (or [N, HV, V, K] with V_FIRST) fp32, or dummies
     bounds,  # [N+1] int32 sequence boundaries on the token axis
     chunk_offsets,  # [N] int32 first chunk of each sequence
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, V_FIRST: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    V_FIRST: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND: tl.constexpr,
     STORED_OPERANDS: tl.constexpr,  # products in the storage dtype (bf16/fp16; see the module docstring)
 ):
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -81,7 +89,7 @@ def state_pass_kernel(
 
     r = tl.arange(0, BT)
     num_chunks = tl.cdiv(eos - bos, BT)
-    for c in range(0, num_chunks):
+    for c in range(num_chunks):
         start = bos + c * BT
         rows = start + r
         valid = rows < eos
@@ -98,10 +106,12 @@ def state_pass_kernel(
         g_last = tl.load(G + last.to(tl.int64) * (HV * K) + i_hv * K + kcols, mask=kcols < K, other=0.0)
         k_c = tl.load(k_g + k_off, mask=m_k, other=0.0)
         v_new = tl.load(u + v_off, mask=m_v, other=0.0).to(tl.float32) - dot(
-            _factor(w_c, STORED_OPERANDS, ROUND), _factor(S, STORED_OPERANDS, ROUND, w), DOT_PRECISION)
+            _factor(w_c, STORED_OPERANDS, ROUND), _factor(S, STORED_OPERANDS, ROUND, w), DOT_PRECISION
+        )
         tl.store(u + v_off, stored(v_new, u, ROUND), mask=m_v)
-        product = dot(tl.trans(_factor(k_c, STORED_OPERANDS, ROUND)), _factor(v_new, STORED_OPERANDS, ROUND, u),
-                      DOT_PRECISION)
+        product = dot(
+            tl.trans(_factor(k_c, STORED_OPERANDS, ROUND)), _factor(v_new, STORED_OPERANDS, ROUND, u), DOT_PRECISION
+        )
         S = S * tl.exp(g_last)[:, None] + product
 
     if STORE_HT:

@@ -47,7 +47,6 @@ import triton.language as tl
 
 from kda.spec import KDASpec
 
-
 # One ``input_precision`` of our own beside Triton's "ieee", "tf32" and "tf32x3": TF32 products of operands
 # rounded to TF32 first (`dot`).
 TF32_ROUNDED = "tf32_rounded"
@@ -70,8 +69,13 @@ def dot_precisions(spec: KDASpec) -> DotPrecisions:
         return DotPrecisions(*["ieee"] * 5)
     if not spec.requires_grad:
         return DotPrecisions(*["tf32"] * 5)
-    return DotPrecisions(intra=TRAINING_INTRA, state=TRAINING_STATE, output="tf32",
-                         backward_state=TRAINING_BACKWARD_STATE, backward_chunk=TRAINING_BACKWARD_CHUNK)
+    return DotPrecisions(
+        intra=TRAINING_INTRA,
+        state=TRAINING_STATE,
+        output="tf32",
+        backward_state=TRAINING_BACKWARD_STATE,
+        backward_chunk=TRAINING_BACKWARD_CHUNK,
+    )
 
 
 # Training, bf16/fp16. Kernel by kernel, ``dA_log`` (a sum whose terms cancel) decides; measured offline

@@ -43,7 +43,12 @@ def qk_tail_kernel(
     dx_heads,  # [tokens, HV, K] fp32: the gradient of the normalized rows, per value head
     dx,  # [tokens, H, K] out, in x's dtype
     tokens,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    L2: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     group: tl.constexpr = HV // H
@@ -52,8 +57,11 @@ def qk_tail_kernel(
     mask = (rows[:, None] < tokens) & (cols[None, :] < K)
     dy = tl.zeros([BR, BK], dtype=tl.float32)
     for j in tl.static_range(group):  # the group's value heads, summed into their q/k head
-        dy += tl.load(dx_heads + rows[:, None].to(tl.int64) * (HV * K) + (i_h * group + j) * K + cols[None, :],
-                      mask=mask, other=0.0)
+        dy += tl.load(
+            dx_heads + rows[:, None].to(tl.int64) * (HV * K) + (i_h * group + j) * K + cols[None, :],
+            mask=mask,
+            other=0.0,
+        )
     offsets = rows[:, None].to(tl.int64) * (H * K) + i_h * K + cols[None, :]
     if L2:
         xr = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -67,14 +75,25 @@ def qk_tail_kernel(
 def gate_beta_tail_kernel(
     g,  # [tokens, HV, K] the gate input as given
     da,  # [tokens, HV, K] fp32: the gradient of the per-token log decay
-    A_log, dt_bias,  # [HV], [HV * K] fp32 (or dummies)
+    A_log,
+    dt_bias,  # [HV], [HV * K] fp32 (or dummies)
     dg,  # [tokens, HV, K] out, in g's dtype
     dA_log_parts,  # [blocks, HV] fp32 out: this block's share of dA_log
     ddt_parts,  # [blocks, HV, K] fp32 out: this block's share of ddt_bias
-    beta, dbeta_heads, dbeta,  # [tokens, HV]: as given, the gradient after the activation (fp32), out
-    tokens, lower_bound,
-    HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    SIGMOID: tl.constexpr, TWO: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    beta,
+    dbeta_heads,
+    dbeta,  # [tokens, HV]: as given, the gradient after the activation (fp32), out
+    tokens,
+    lower_bound,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TWO: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
 ):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     rows = i_t * BR + tl.arange(0, BR)
@@ -83,7 +102,7 @@ def gate_beta_tail_kernel(
     mask = valid[:, None] & (cols[None, :] < K)
     offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     d = tl.load(da + offsets, mask=mask, other=0.0)
-    if GATE == _SAFE or GATE == _SOFTPLUS:
+    if GATE in (_SAFE, _SOFTPLUS):
         z = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
             z += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]
@@ -137,10 +156,27 @@ def fused_tails(inputs, spec, dq_heads, dk_heads, da, dbeta_heads):
     dA_log_parts = torch.empty(blocks, HV, dtype=f32, device=q.device) if has_a else da
     ddt_parts = torch.empty(blocks, HV, K, dtype=f32, device=q.device) if has_dt else da
     gate_beta_tail_kernel[(blocks, HV)](
-        g, da, A_log.contiguous().to(f32) if has_a else da, dt_bias.reshape(-1).contiguous().to(f32) if has_dt else da,
-        dg, dA_log_parts, ddt_parts, beta, dbeta_heads, dbeta, tokens, float(spec.lower_bound or 0.0),
-        HV=HV, K=K, GATE=gate, HAS_A_LOG=has_a, HAS_DT_BIAS=has_dt, SIGMOID=spec.use_beta_sigmoid_in_kernel,
-        TWO=spec.allow_neg_eigval, BR=ROWS, BK=BK,
+        g,
+        da,
+        A_log.contiguous().to(f32) if has_a else da,
+        dt_bias.reshape(-1).contiguous().to(f32) if has_dt else da,
+        dg,
+        dA_log_parts,
+        ddt_parts,
+        beta,
+        dbeta_heads,
+        dbeta,
+        tokens,
+        float(spec.lower_bound or 0.0),
+        HV=HV,
+        K=K,
+        GATE=gate,
+        HAS_A_LOG=has_a,
+        HAS_DT_BIAS=has_dt,
+        SIGMOID=spec.use_beta_sigmoid_in_kernel,
+        TWO=spec.allow_neg_eigval,
+        BR=ROWS,
+        BK=BK,
     )
     dA_log = dA_log_parts.sum(0).to(A_log.dtype) if has_a else None
     ddt_bias = ddt_parts.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if has_dt else None

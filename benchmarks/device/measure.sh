@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Measure kda on a lent GPU machine, from the repository root (device tool: carry [".device"]):
+#
+#   bash benchmarks/device/measure.sh TARGET [TARGET ...]
+#
+# Targets (each writes $OUT/<target>/ and the machine's versions to $OUT/env.txt):
+#   verify       python -m kda.verify --all --with-bench-classes over VERIFY_JOBS processes -> verify.json
+#   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
+#                FlashKDA called directly beside kda's backends and auto, with --tune
+#   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
+#   sweep        benchmarks/triton_stages.py: the forward's stages and launch variants at SWEEP_SHAPE, then
+#                the training kernels' variants (--train-sweep, one variant a process)
+#   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
+#   tests        the test suite on CUDA (its GPU-only tests run there)
+#
+# Every step runs under one deadline (DEADLINE_S, default 560 s: the device tool stops a command at 600 s),
+# so what finished comes back. Triton's autotune results (FLA tunes for minutes at each new shape) and
+# kda's records and timing table are packed into $OUT/state.tgz: keep it as .device/state.tgz and the
+# next run starts from it. Curate the output into a snapshot with benchmarks/snapshot.py.
+set -uo pipefail
+[ $# -ge 1 ] || { sed -n 2,20p "$0"; exit 2; }
+START=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-560}
+left() { echo $(( DEADLINE_S - ($(date +%s) - START) - ${1:-0} )); }  # seconds left, minus a reserve
+OUT=${OUT:-/tmp/kda-out}
+DENSE="B1_T8192_H96_D128 B2_T16384_H16_D128 B4_T2048_H16_D128 B4_T4096_H64_D128 B8_T2048_H32_D256 B8_T1024_H8_D64"
+SHAPES=${SHAPES:-$DENSE}
+SWEEP_SHAPE=${SWEEP_SHAPE:-B1_T8192_H96_D128}
+
+source .device/setup.sh
+export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache FLA_TILELANG=0
+mkdir -p "$TRITON_CACHE_DIR" "$KDA_CACHE_DIR" "$OUT"
+if [ -f .device/state.tgz ] && [ ! -f /tmp/.kda-state-unpacked ]; then
+  tar xzf .device/state.tgz -C /tmp && touch /tmp/.kda-state-unpacked
+fi
+{ date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  echo "cpus: $(nproc)"
+  python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  python3 -m pip list 2>/dev/null | grep -i -E "^(fla-core|tokenspeed-flashkda|helion|tilelang|pydantic) "
+  git log -1 --format="kda commit: %H" 2>/dev/null; } > "$OUT/env.txt" 2>&1
+
+shape_args() { for shape in "$@"; do printf -- '--shape %s ' "$shape"; done; }
+bench() {  # NAME RESERVE [kda.bench arguments]
+  local name=$1 reserve=$2; shift 2
+  mkdir -p "$OUT/$name"
+  timeout "$(left "$reserve")" python3 -m kda.bench "$@" --out "$OUT/$name" > "$OUT/$name/table.txt" 2> "$OUT/$name/log.txt"
+  echo "$name: exit $?"; grep -E " ok | fail|rror" "$OUT/$name/log.txt" | head -40
+}
+
+for target in "$@"; do
+  case "$target" in
+  verify)
+    mkdir -p "$OUT/verify"
+    timeout "$(left 20)" python3 -m kda.verify --all --with-bench-classes --jobs "${VERIFY_JOBS:-12}" \
+      --work-dir /tmp/verify-workers --json "$OUT/verify/verify.json" > "$OUT/verify/table.txt" 2> "$OUT/verify/log.txt"
+    echo "verify: exit $?"; tail -n 3 "$OUT/verify/table.txt"; grep -E "FAIL|fail " "$OUT/verify/table.txt" | head -20
+    ;;
+  bench)
+    # shellcheck disable=SC2046
+    bench bench 20 --tune --backend baseline:fla --backend baseline:flashkda --backend triton --backend flashkda \
+      --backend fla --backend auto $(for m in ${MODES:-fwd}; do printf -- '--mode %s ' "$m"; done) \
+      --cold-start "${COLD:-first}" $(shape_args $SHAPES)
+    ;;
+  train-bench)
+    # shellcheck disable=SC2046
+    bench train-bench 20 --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+      --mode train_safe --cold-start none $(shape_args $SHAPES)
+    ;;
+  sweep)
+    mkdir -p "$OUT/sweep"
+    timeout "$(left 200)" python3 benchmarks/triton_stages.py --sweep "$SWEEP_SHAPE" > "$OUT/sweep/forward.txt" 2>&1
+    for index in ${TRAIN_SWEEP:-0}; do
+      SWEEP_INDEX=$index timeout "$(left 20)" python3 benchmarks/triton_stages.py --train-sweep "$SWEEP_SHAPE" \
+        >> "$OUT/sweep/training.txt" 2>&1
+    done
+    cat "$OUT/sweep/forward.txt" "$OUT/sweep/training.txt" | grep -v -i warn | tail -40
+    ;;
+  profile)
+    mkdir -p "$OUT/profile"
+    for mode in ${MODES:-fwd train_safe}; do
+      KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/profile_kernels.py --backend baseline:fla --backend triton \
+        --mode "$mode" "$SWEEP_SHAPE" >> "$OUT/profile/kernels.txt" 2>&1
+    done
+    tail -n 40 "$OUT/profile/kernels.txt"
+    ;;
+  tests)
+    mkdir -p "$OUT/tests"
+    timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra tests > "$OUT/tests/pytest.txt" 2>&1
+    tail -n 15 "$OUT/tests/pytest.txt"
+    ;;
+  *)
+    echo "measure.sh: unknown target '$target' (verify, bench, train-bench, sweep, profile, tests)" >&2
+    exit 2
+    ;;
+  esac
+done
+
+(cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list 2>/dev/null
+ tar czf "$OUT/state.tgz" kda-cache -T /tmp/autotune.list 2>/dev/null)
+ls -la "$OUT"

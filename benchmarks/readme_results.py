@@ -1,0 +1,165 @@
+"""Regenerate README.md's "Measured" section from the newest results snapshot of each GPU.
+
+    python benchmarks/readme_results.py           # rewrite the section between its markers
+    python benchmarks/readme_results.py --check   # exit 1 when README.md differs from the snapshots
+
+A snapshot is ``benchmarks/results/<gpu>/<kda version>/`` (see ``benchmarks/snapshot.py``); the newest
+version of each GPU is shown. Per mode, one table: a row per shape, FLA's median and, for every other
+backend, its median and its speed relative to FLA timed in the same process (``FLA ms / backend ms``:
+above 1 is faster than FLA). Every figure in the section comes from the snapshot's ``results.json`` and
+``verify.json``; nothing in it is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN = "<!-- measured:begin (python benchmarks/readme_results.py) -->"
+END = "<!-- measured:end -->"
+MODE_TITLES = {
+    "fwd": "Inference forward (`fwd`: safe gate, l2norm and beta sigmoid in kernel, initial and final state)",
+    "fwd_pregated": "Inference forward, pre-gated `g` (`fwd_pregated`)",
+    "train_safe": "Training, forward + backward (`train_safe`)",
+    "train_pregated": "Training, forward + backward, pre-gated `g` (`train_pregated`)",
+}
+BACKEND_ORDER = ("baseline:flashkda", "triton", "flashkda", "fla", "torch", "auto")
+
+
+def _version_key(name: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", name))
+
+
+def newest_snapshots(results: Path) -> list[Path]:
+    """The newest version folder of each GPU under ``results`` (folders holding a results.json)."""
+    found = []
+    for gpu in sorted(p for p in results.iterdir() if p.is_dir()):
+        versions = [p for p in gpu.iterdir() if (p / "results.json").is_file()]
+        if versions:
+            found.append(max(versions, key=lambda p: _version_key(p.name)))
+    return found
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    if row.get("median_ms") is None or row.get("fla_median_ms") is None:
+        return ""
+    return f" ({row['fla_median_ms'] / row['median_ms']:.2f}x)"
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return ""
+    if row["status"] != "ok":
+        return row["status"]
+    text = _ms(row["median_ms"]) + _ratio(row)
+    if row["kind"] == "auto" and row.get("chose"):
+        text += f" → {row['chose']}"
+    return text
+
+
+def mode_table(rows: list[dict[str, Any]], mode: str) -> list[str]:
+    mine = [r for r in rows if r["mode"] == mode]
+    shapes = list(dict.fromkeys(r["shape"] for r in mine))
+    present = {r["backend"] for r in mine}
+    backends = [b for b in BACKEND_ORDER if b in present] + sorted(present - set(BACKEND_ORDER) - {"baseline:fla"})
+    lines = [
+        f"**{MODE_TITLES.get(mode, mode)}**, ms (speed relative to FLA):",
+        "",
+        "| shape | FLA | " + " | ".join(f"`{b}`" for b in backends) + " | measured |",
+        "|---|---|" + "---|" * len(backends) + "---|",
+    ]
+    for shape in shapes:
+        cells = {r["backend"]: r for r in mine if r["shape"] == shape}
+        fla = cells.get("baseline:fla")
+        fla_ms = fla["median_ms"] if fla else next((r["fla_median_ms"] for r in cells.values()), None)
+        dates = sorted({r.get("measured", "") for r in cells.values()} - {""})
+        lines.append(
+            f"| {shape} | {_ms(fla_ms)} | "
+            + " | ".join(_cell(cells.get(b)) for b in backends)
+            + f" | {', '.join(dates)} |"
+        )
+    return lines
+
+
+def verify_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for backend in sorted({r["backend"] for r in report["results"]}):
+        mine = [r for r in report["results"] if r["backend"] == backend]
+        passed = sum(r["status"] == "pass" for r in mine)
+        failed = sum(r["status"] == "fail" for r in mine)
+        ratios = [r["worst_ratio"] for r in mine if r["status"] == "pass" and r.get("worst_ratio") is not None]
+        worst = f", at most {max(ratios):.2f} of the tolerance" if ratios else ""
+        text = f"- `{backend}`: {passed} case classes passed, {failed} failed{worst}"
+        failures = [r for r in mine if r["status"] == "fail"]
+        if failures:
+            text += f" (for example {failures[0]['case_class']}: {(failures[0].get('reason') or '')[:120]})"
+        lines.append(text + ".")
+    return lines
+
+
+def section(snapshot: Path) -> list[str]:
+    data = json.loads((snapshot / "results.json").read_text())
+    versions = data["versions"]
+    shown = ("torch", "triton", "fla", "flash_kda", "helion", "tilelang")
+    where = (snapshot.relative_to(ROOT) if snapshot.is_relative_to(ROOT) else snapshot).as_posix()
+    lines = [
+        f"### {data['gpu']['name']}, kda {data['kda']} (`{where}/`)",
+        "",
+        "Versions: " + ", ".join(f"{k} {versions[k]}" for k in shown if versions.get(k)) + ". "
+        "Median of `triton.testing.do_bench` over 3 rounds, warm-up excluded, bf16; FLA re-measured in the same "
+        "process as every row beside it. `auto` is kda's choice among the verified backends (after `--tune`). "
+        f"Details, peak memory and cold starts: `{where}/results.md`.",
+        "",
+    ]
+    modes = list(dict.fromkeys(r["mode"] for r in data["rows"]))
+    for mode in sorted(modes, key=lambda m: list(MODE_TITLES).index(m) if m in MODE_TITLES else 99):
+        lines += [*mode_table(data["rows"], mode), ""]
+    verify = snapshot / "verify.json"
+    if verify.is_file():
+        lines += [f"Verification on that machine (`{where}/verify.json`):", ""]
+        lines += [*verify_lines(json.loads(verify.read_text())), ""]
+    return lines
+
+
+def render(results: Path) -> str:
+    lines = [BEGIN, ""]
+    for snapshot in newest_snapshots(results):
+        lines += section(snapshot)
+    return "\n".join([*lines, END])
+
+
+def updated(readme: str, block: str) -> str:
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"readme_results: README.md has no '{BEGIN}' ... '{END}' block")
+    return readme[:start] + block + readme[end + len(END) :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when README.md is not what the snapshots say")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    readme = args.readme.read_text()
+    new = updated(readme, render(args.results))
+    if args.check:
+        if new != readme:
+            print("README.md's measured section differs from the snapshots: run python benchmarks/readme_results.py")
+            return 1
+        return 0
+    args.readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Curate a results snapshot: ``benchmarks/results/<gpu>/<kda version>/``.
+
+A snapshot is what the repository shows of one kda version on one GPU: the bench rows (``results.json``,
+``results.md``, ``pct_fla.png``), the verification behind them (``verify.json``) and the machine's
+versions (``env.txt``). It is made from the raw output of ``benchmarks/device/measure.sh`` (or of
+``python -m kda.bench`` / ``python -m kda.verify --json`` run by hand), which stays out of git::
+
+    python benchmarks/snapshot.py --out benchmarks/results/nvidia-h200/0.1.0 \\
+        --bench raw/bench/results.json raw/train-bench/results.json \\
+        --verify raw/verify/verify.json --env raw/env.txt
+
+Bench rows are merged by (shape, mode): the last file that measured a shape in a mode supplies all of
+its rows, so a re-measured shape replaces the old rows whole and every row's ``pct_fla`` is the ratio to
+FLA timed in its own process. Each row keeps the date of the run that measured it. Verification results are merged by (backend, case class)
+the same way. README.md's "Measured" section is then regenerated with ``python benchmarks/readme_results.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from kda.bench import results
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"snapshot: cannot read {path}: {error}") from None
+
+
+def merge_bench(paths: list[Path]) -> dict[str, Any]:
+    """One bench payload from several runs. A (shape, mode) comes whole from the last run that measured it,
+    so the rows of one shape and mode, FLA's among them, always share one process."""
+    parts = [_read(p) for p in paths]
+    if not parts:
+        raise SystemExit("snapshot: give at least one --bench results.json")
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for part in parts:
+        fresh: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for row in part["rows"]:
+            fresh.setdefault((row["shape"], row["mode"]), []).append(
+                {**row, "measured": row.get("measured", part["date"])}
+            )
+        groups.update(fresh)
+    last = parts[-1]
+    runs = [{k: v for k, v in p["settings"].items() if k not in ("merged_from", "runs")} for p in parts]
+    return {
+        "kda": last["kda"],
+        "date": max(p["date"] for p in parts),
+        "gpu": last["gpu"],
+        "versions": last["versions"],
+        "settings": {"runs": runs},
+        "rows": [row for rows in groups.values() for row in rows],
+    }
+
+
+def merge_verify(paths: list[Path]) -> dict[str, Any]:
+    """One verification report from several ``kda.verify --json`` files (later files winning per class)."""
+    parts = [_read(p) for p in paths]
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    fingerprints: dict[str, Any] = {}
+    unavailable: dict[str, Any] = {}
+    for part in parts:
+        fingerprints.update(part.get("fingerprints", {}))
+        unavailable.update(part.get("unavailable", {}))
+        for result in part["results"]:
+            found[(result["backend"], result["case_class"])] = result
+    merged = list(found.values())
+    return {
+        "kda": parts[-1]["kda"] if parts else None,
+        "device": parts[-1]["device"] if parts else None,
+        "passed": all(r["status"] != "fail" for r in merged),
+        "fingerprints": fingerprints,
+        "unavailable": unavailable,
+        "results": merged,
+    }
+
+
+def verify_summary(report: dict[str, Any]) -> str:
+    """Per backend: classes passed / failed / refused, and the worst ratio to the tolerance."""
+    lines = []
+    for backend in sorted({r["backend"] for r in report["results"]}):
+        mine = [r for r in report["results"] if r["backend"] == backend]
+        counts = {s: sum(r["status"] == s for r in mine) for s in ("pass", "fail")}
+        refused = len(mine) - counts["pass"] - counts["fail"]
+        ratios = [r["worst_ratio"] for r in mine if r["status"] == "pass" and r.get("worst_ratio") is not None]
+        worst = f", worst {max(ratios):.2f} of the tolerance" if ratios else ""
+        lines.append(f"- `{backend}`: {counts['pass']} passed, {counts['fail']} failed, {refused} not supported{worst}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="benchmarks/results/<gpu>/<kda version>")
+    parser.add_argument("--bench", type=Path, nargs="+", required=True, help="results.json files, oldest first")
+    parser.add_argument("--verify", type=Path, nargs="*", default=[], help="kda.verify --json files")
+    parser.add_argument("--env", type=Path, help="the machine's versions (env.txt)")
+    args = parser.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = merge_bench(args.bench)
+    written = results.write(data, args.out)
+    if args.verify:
+        report = merge_verify(args.verify)
+        (args.out / "verify.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(verify_summary(report))
+    if args.env is not None:
+        shutil.copyfile(args.env, args.out / "env.txt")
+    for path in sorted(args.out.iterdir()):
+        print(path)
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

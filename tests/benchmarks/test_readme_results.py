@@ -1,0 +1,95 @@
+"""README.md's measured section is generated from the results snapshots, never typed by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+readme_results = _load("readme_results")
+snapshot = _load("snapshot")
+
+
+def _row(shape: str, backend: str, ms: float, fla_ms: float, mode: str = "fwd", chose: str | None = None) -> dict:
+    kind = "baseline" if backend.startswith("baseline:") else "auto" if backend == "auto" else "kda"
+    return {
+        "shape": shape,
+        "mode": mode,
+        "backend": backend,
+        "kind": kind,
+        "status": "ok",
+        "reason": None,
+        "median_ms": ms,
+        "fla_median_ms": fla_ms,
+        "pct_fla": 100 * fla_ms / ms,
+        "peak_bytes": 1 << 20,
+        "cold_start_s": None,
+        "cold_process_s": None,
+        "cold_new_cache_files": None,
+        "chose": chose,
+    }
+
+
+def _payload(rows: list[dict], date: str) -> dict:
+    return {
+        "kda": "9.9.9",
+        "date": date,
+        "gpu": {"name": "Test GPU", "capability": "9.0"},
+        "versions": {"kda": "9.9.9", "torch": "2.13.0", "triton": "3.9.0"},
+        "settings": {"rounds": 3},
+        "rows": rows,
+    }
+
+
+def test_readme_matches_the_snapshots():
+    assert readme_results.main(["--check"]) == 0, "run: python benchmarks/readme_results.py"
+
+
+def test_the_check_fails_when_a_figure_is_edited_by_hand(tmp_path):
+    readme = tmp_path / "README.md"
+    shutil.copyfile(ROOT / "README.md", readme)
+    text = readme.read_text()
+    begin = text.index(readme_results.BEGIN)
+    cell = text.index(" ms (", begin)  # the first figure of the section's first table
+    readme.write_text(text[:cell] + " ms(" + text[cell + 4 :])
+    assert readme_results.main(["--check", "--readme", str(readme)]) == 1
+
+
+def test_each_figure_comes_from_its_row_with_the_same_process_ratio(tmp_path):
+    results = tmp_path / "results"
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    old = _payload(
+        [_row("B1_T64_H1_D64", "baseline:fla", 2.0, 2.0), _row("B1_T64_H1_D64", "triton", 4.0, 2.0)], "2026-01-01"
+    )
+    new = _payload(
+        [
+            _row("B1_T64_H1_D64", "baseline:fla", 3.0, 3.0),
+            _row("B1_T64_H1_D64", "triton", 1.5, 3.0),
+            _row("B1_T64_H1_D64", "auto", 1.6, 3.0, chose="triton"),
+        ],
+        "2026-02-01",
+    )
+    (raw / "old.json").write_text(json.dumps(old))
+    (raw / "new.json").write_text(json.dumps(new))
+    out = results / "test-gpu" / "9.9.9"
+    pytest.importorskip("rich")
+    assert snapshot.main(["--out", str(out), "--bench", str(raw / "old.json"), str(raw / "new.json")]) == 0
+    block = readme_results.render(results)
+    # the re-measured shape replaced the old rows whole: FLA 3.00, triton 1.50 at 2.00x, auto chose triton
+    assert "| B1_T64_H1_D64 | 3.00 | 1.50 (2.00x) | 1.60 (1.88x) → triton | 2026-02-01 |" in block
+    assert "4.00" not in block and "0.50x" not in block

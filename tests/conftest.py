@@ -41,6 +41,16 @@ def seed(request) -> int:
     return value
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip, with the reason, where no CUDA GPU is visible."""
+    if torch.cuda.is_available():
+        return
+    needs_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(needs_gpu)
+
+
 def pytest_report_header(config):
     return f"kda {kda.__version__}, torch {torch.__version__}"
 

@@ -69,6 +69,7 @@ def test_the_same_backend_writing_everything_passes():
     assert result.passed, result.reason
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: allocator poisoning is CUDA-only")
 def test_unwritten_cuda_memory_fails_verification():
     result = verify_class(ReturnsUnwrittenMemory(), CASE, "cuda", quick=True)
@@ -76,6 +77,7 @@ def test_unwritten_cuda_memory_fails_verification():
     assert "o rel. error" in result.reason  # inf when the poisoned block came back, else just large
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("training", [False, True])
 def test_torch_backend_verifies_on_cuda(training):

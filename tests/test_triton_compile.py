@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("triton", reason="Triton is not installed (extra `triton`)")
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])

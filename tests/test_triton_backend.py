@@ -40,19 +40,33 @@ def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kda.backends.triton import backward, forward, gate, intra, output, state, storage, tails
+    from kda.backends.triton import (
+        backward,
+        chunk_backward,
+        diagonal_backward,
+        forward,
+        gate,
+        intra,
+        output,
+        state,
+        state_backward,
+        storage,
+        tails,
+        tiles,
+    )
 
     kernels = (
         intra.intra_chunk_kernel,
         state.state_pass_kernel,
         output.output_kernel,
-        backward.bwd_chunk_kernel,
-        backward.bwd_state_kernel,
+        chunk_backward.bwd_chunk_kernel,
+        state_backward.bwd_state_kernel,
         tails.qk_tail_kernel,
     )
     if not all(isinstance(kernel, InterpretedFunction) for kernel in kernels):
         # helpers, kernels, then what imports them
-        for module in (storage, gate, intra, state, output, tails, backward, forward):
+        modules = (storage, tiles, gate, intra, state, output, tails, diagonal_backward, chunk_backward, state_backward)
+        for module in (*modules, backward, forward):
             importlib.reload(module)
     assert isinstance(forward.output_kernel, InterpretedFunction)
     emulate_gpu_dots(monkeypatch)  # tensor-core products as the GPU computes them (tests/tf32.py)
@@ -400,15 +414,15 @@ def test_log_decay_gradient_is_zero_where_the_decay_underflows(seed, interpreter
 
 @pytest.mark.parametrize("step_limit", [8.0, -1.0], ids=["products", "elementwise"])
 def test_diagonal_blocks_at_the_products_limits(step_limit, interpreter, monkeypatch):
-    """The backward's diagonal blocks go by products (`backward._diagonal_by_products`) while a block's decay
+    """The backward's diagonal blocks go by products (`diagonal_backward.diagonal_by_products`) while a block's decay
     span is at most DOT_SPAN (80) and its largest single log decay at most DIFFERENCE_STEP (8), else element
     by element. Softplus gates with a log decay near -5.2 a step put 16-row blocks just under both (spans
     near 78, where the anchored factors reach e^78, and the decays that multiply the products' da residual
     in dA_log); fp32, every gradient against the float64 reference. With the step limit at -1 every block
     takes the element-wise path, which must agree as well."""
-    from kda.backends.triton import backward
+    from kda.backends.triton import chunk_backward
 
-    monkeypatch.setattr(backward, "DIFFERENCE_STEP", tl.constexpr(step_limit))
+    monkeypatch.setattr(chunk_backward, "DIFFERENCE_STEP", tl.constexpr(step_limit))
     B, T, H, K, V, C = 1, 64 + 37, 2, 16, 8, 64
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     q, k, v = (torch.randn(B, T, H, D, generator=gen) for D in (K, K, V))

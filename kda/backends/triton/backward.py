@@ -12,7 +12,9 @@ Two launches and the tails:
    ``dA_log`` and ``ddt_bias`` as per-block partials added in torch.
 
 The forward's saved intermediates (`forward`): ``G``, ``w``, ``v_new``, ``h``, ``A_qk``, ``M``, ``T`` and
-the chunk layout, configuration and products it ran with.
+the chunk layout, configuration and products it ran with. The two kernels are launched through this
+module's names, which `benchmarks/triton_stages.py --train-sweep` replaces to set `chunk_backward`'s
+timing-only ``PAIRS`` switch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kda.backends.triton.state_backward import bwd_state_kernel
 
 
 def triton_backward(inputs, spec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None):
+    """Every gradient of the forward that saved ``saved``, given ``do`` and the final state's gradient."""
     from kda.backends.base import KDAGradients
     from kda.backends.triton.forward import interpreting
     from kda.backends.triton.tails import fused_tails

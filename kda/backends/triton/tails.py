@@ -103,7 +103,8 @@ def gate_beta_tail_kernel(
     mask = valid[:, None] & (cols[None, :] < K)
     offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     d = tl.load(da + offsets, mask=mask, other=0.0)
-    if GATE in (_SAFE, _SOFTPLUS):
+    # Triton's compiler takes no `in` (UnsupportedLanguageConstruct); the interpreter does, so only aot sees it
+    if GATE == _SAFE or GATE == _SOFTPLUS:  # noqa: SIM109
         z = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
             z += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]

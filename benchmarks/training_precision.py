@@ -12,8 +12,8 @@ case: per mix, whether it passed, its worst error / tolerance, the tensor that w
 relative error (the gradient the products' error shows in: a sum whose terms cancel). A summary per mix
 goes to stderr at the end.
 
-The draws are the ones session 7 and session 8 used to choose `storage`'s settings (seeds 11, 12, 101,
-202; `docs/design.md`, "Precision and storage"). A case takes about 3 s a mix. The four hardest for
+The draws are the ones `storage`'s settings were chosen on (seeds 11, 12, 101, 202; `docs/design.md`,
+"Precision and storage"). A case takes about 3 s a mix. The four hardest for
 version 18 are seed 12's cases 14, 25, 31 and 55.
 
 With ``--gpu`` the same cases run on CUDA instead, through the named backends as shipped (no mixes, no
@@ -57,9 +57,10 @@ def _mix(intra: str, state: str, backward_state: str, backward_chunk: str) -> di
     }
 
 
-# Named mixes: version 16 (all TF32x3, shipped again in version 19), version 17 (the backward state pass
-# rounded; versions 17 and 18, until CI drew a case it fails), and the others session 8 tried;
-# "truncated_12" is versions 12 to 15 (TF32 in intra and the backward state pass).
+# Named mixes (each sets the experiment-only `storage.TRAINING_*` attributes; the shipped values are
+# "v16"'s, restored after the run): version 16 (all TF32x3, shipped again in version 19), version 17 (the
+# backward state pass rounded; versions 17 and 18, until CI drew a case it fails), and the other mixes tried
+# then; "truncated_12" is versions 12 to 15 (TF32 in intra and the backward state pass).
 MIXES = {
     "v16": _mix(X3, X3, X3, X3),
     "v17": _mix(X3, X3, ROUNDED, X3),

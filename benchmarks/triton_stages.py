@@ -96,7 +96,7 @@ SWEEP = [
     {"intra_block_k": 32},
     {"intra_block_k": 64, "intra_warps": 8},
     {"intra_block_k": 32, "intra_block_w": 16},
-    # Session 6: the state pass and the output on half-width tensor cores (operands half the registers)
+    # the state pass and the output on half-width tensor cores (operands half the registers)
     {"state_block_v": 128, "state_warps": 8, "state_stages": 2},
     {"state_block_v": 128, "state_warps": 4, "state_stages": 2},
     {"state_stages": 3},
@@ -104,9 +104,9 @@ SWEEP = [
     {"output_warps": 4},
     {"output_warps": 8},
     {"intra_half_products": True},
-    # The intra kernel's PHASES timing hook: where its time goes (scores; scores and inverse; all).
-    {"intra_phases": 1},
-    {"intra_phases": 2},
+    # the intra kernel's PARTS timing switch (`intra`): where its time goes (scores; scores and inverse)
+    {"intra_parts": 1},
+    {"intra_parts": 2},
 ]
 
 
@@ -119,12 +119,12 @@ def sweep(names: list[str]) -> None:
         only = os.environ.get("SWEEP_ONLY")  # e.g. "intra_warps|output": the variants whose text contains one
         for change in [c for c in SWEEP if not only or not c or any(part in str(c) for part in only.split("|"))]:
             config = dataclasses.replace(
-                shipped, **{key: value for key, value in change.items() if key != "intra_phases"}
+                shipped, **{key: value for key, value in change.items() if key != "intra_parts"}
             )
             triton_forward_module.launch_config = lambda *_, config=config: config
             intra_kernel = triton_forward_module.intra_chunk_kernel
-            if "intra_phases" in change:
-                triton_forward_module.intra_chunk_kernel = _WithConstant(intra_kernel, "PHASES", change["intra_phases"])
+            if "intra_parts" in change:
+                triton_forward_module.intra_chunk_kernel = _WithConstant(intra_kernel, "PARTS", change["intra_parts"])
             try:
                 stages, _ = plan_forward(call, spec)
                 times = {stage: do_bench(launch, warmup=25, rep=100, return_mode="median") for stage, launch in stages}
@@ -138,10 +138,11 @@ def sweep(names: list[str]) -> None:
 
 
 # Variants for `--train-sweep`: launch settings of the backward, which kernels multiply in TF32x3 (keys
-# "precision.<kernel>" set `storage.TRAINING_<KERNEL>`), and "pairs" (the backward's PAIRS timing hook:
-# 0 leaves out its pairwise terms, 1 their diagonal blocks). {"backward_block_v": 16} is left out: on the
-# H200 (Triton 3.6, version 11) it ended in an illegal memory access that took every later variant of the
-# process. Phases run them one a process, by index (SWEEP_INDEX): the list is ordered as session 7 ran it.
+# "precision.<kernel>" set the experiment-only `storage.TRAINING_<KERNEL>`), and "pairs" (the timing-only
+# PAIRS switch of `chunk_backward`: 0 leaves out its pairwise terms, 1 their diagonal blocks).
+# {"backward_block_v": 16} is left out: on the H200 (Triton 3.6, version 11) it ended in an illegal memory
+# access that took every later variant of the process. SWEEP_INDEX runs one variant a process, by its index
+# in this list (keep the order: recorded results name variants by index).
 TRAIN_SWEEP = [
     {},
     {"pairs": 0},
@@ -157,12 +158,12 @@ TRAIN_SWEEP = [
     {"precision.backward_state": "tf32"},
     {"precision.state": "tf32"},
     {"precision.intra": "tf32"},
-    # for K = 256 (B8_T2048_H32_D256, session 7: the serial passes took 14.2 and 15.0 ms of 67.9 in training)
+    # for K = 256 (B8_T2048_H32_D256 on the H200: the serial passes took 14.2 and 15.0 ms of 67.9 in training)
     {"state_block_v": 32},
     {"state_block_v": 16},
     {"backward_state_block_v": 32},
     {"backward_state_block_v": 8},
-    # session 8: the launch settings of the kernels TF32x3 made slower (version 16, B4_T2048_H16_D128: intra
+    # the launch settings of the kernels TF32x3 made slower (version 16, B4_T2048_H16_D128: intra
     # 0.87 ms against 0.38 in TF32, backward state pass 1.04 against 0.54), chosen when they ran in TF32
     {"intra_warps": 4},
     {"intra_warps": 8},
@@ -193,7 +194,8 @@ TRAIN_SWEEP = [
 
 
 class _WithConstant:
-    """A kernel launched with one of its timing hooks (a constexpr) set."""
+    """A kernel launched with one of its timing-only switches (a constexpr: intra's PARTS, the backward
+    per-chunk kernel's PAIRS) set, in place of the module attribute the host code launches."""
 
     def __init__(self, kernel, name: str, value: int) -> None:
         self.kernel, self.name, self.value = kernel, name, value

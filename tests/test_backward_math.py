@@ -1,4 +1,4 @@
-"""The chunked backward derivation (kda/backends/triton/backward_math.py) against autograd of the naive
+"""The chunked backward derivation (tests/backward_math.py) against autograd of the naive
 recurrence, in float64: the formulas the Triton backward kernels implement; and the log decay's gradient
 in fp32 with saturated gates, where the form of the sum decides the accuracy of dA_log."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from backward_math import chunk_backward, chunk_forward
 
-from kda.backends.triton.backward_math import chunk_backward, chunk_forward
 from kda.reference import naive_recurrence
 
 

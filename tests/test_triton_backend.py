@@ -40,19 +40,33 @@ def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kda.backends.triton import backward, forward, gate, intra, output, state, storage, tails
+    from kda.backends.triton import (
+        backward,
+        chunk_backward,
+        diagonal_backward,
+        forward,
+        gate,
+        intra,
+        output,
+        state,
+        state_backward,
+        storage,
+        tails,
+        tiles,
+    )
 
     kernels = (
         intra.intra_chunk_kernel,
         state.state_pass_kernel,
         output.output_kernel,
-        backward.bwd_chunk_kernel,
-        backward.bwd_state_kernel,
+        chunk_backward.bwd_chunk_kernel,
+        state_backward.bwd_state_kernel,
         tails.qk_tail_kernel,
     )
     if not all(isinstance(kernel, InterpretedFunction) for kernel in kernels):
         # helpers, kernels, then what imports them
-        for module in (storage, gate, intra, state, output, tails, backward, forward):
+        modules = (storage, tiles, gate, intra, state, output, tails, diagonal_backward, chunk_backward, state_backward)
+        for module in (*modules, backward, forward):
             importlib.reload(module)
     assert isinstance(forward.output_kernel, InterpretedFunction)
     emulate_gpu_dots(monkeypatch)  # tensor-core products as the GPU computes them (tests/tf32.py)
@@ -275,9 +289,8 @@ def random_cases(draw) -> VerificationCase:
     group = draw(st.sampled_from([2, 3])) if gva else 1
     K, V = draw(st.integers(4, 40)), draw(st.integers(4, 40))
     # Every regime, except extreme gates for fp32 softplus training: there dA_log meets the fp32 decay limit
-    # (test_dA_log_past_the_fp32_decay_limit, a strict xfail). Session 5 drew 240 such cases offline and all
-    # passed (worst 5.9e-4 of the 1e-3 tolerance), so they were drawn again; session 6's CI run then drew one
-    # at 3.2e-3, and 150 more drawn offline failed 3 times (1.3e-3, 2.5e-3, 8.1e-3; median 1.6e-5): about one
+    # (test_dA_log_past_the_fp32_decay_limit, a strict xfail). 240 such cases drawn offline all passed
+    # (worst 5.9e-4 of the 1e-3 tolerance), so they were drawn again; a CI run then drew one at 3.2e-3, and 150 more drawn offline failed 3 times (1.3e-3, 2.5e-3, 8.1e-3; median 1.6e-5): about one
     # CI run in 50 would fail on it. Realistic fp32 softplus training and extreme gates elsewhere stay in.
     extreme_allowed = not (training and cc.dtype == "float32" and cc.gate == GateMode.SOFTPLUS)
     regime = draw(st.sampled_from(["realistic", "extreme"] if extreme_allowed else ["realistic"]))
@@ -306,7 +319,7 @@ def test_dA_log_with_saturated_softplus_gates_in_fp32(interpreter):
     """Found by the random training cases: dA_log was 1.56e-3 off (fp32 tolerance 1e-3) here, every other
     gradient within 4e-5. The per-token log decay's gradient was the reverse cumsum of dG, whose O(1) terms
     cancel to ~1e-8 residuals at tokens with a log decay of -50 to -500, and dA_log = sum a da multiplied
-    them by a (see kda/backends/triton/backward.py). Now about 2e-5."""
+    them by a (see kda/backends/triton/chunk_backward.py). Now about 2e-5."""
     cc = case_class(
         gate=GateMode.SOFTPLUS,
         qk_l2norm=True,
@@ -343,7 +356,7 @@ def test_dA_log_at_the_fp32_decay_limit(interpreter):
 
 @pytest.mark.xfail(strict=True, reason="the fp32 decay limit: dA_log 3.4e-3 against the 1e-3 tolerance")
 def test_dA_log_past_the_fp32_decay_limit(interpreter):
-    """Drawn by session 6's CI run (hypothesis, fresh seed): extreme softplus gates, fp32 training, one value
+    """Drawn by a CI run (hypothesis, fresh seed): extreme softplus gates, fp32 training, one value
     head, so dA_log is one number summed over two sequences of saturated decays. 3.4e-3 off in version 12
     and in version 9 alike, whichever path the backward's diagonal blocks take, while every other gradient
     is within 2.4e-5: the limit of an fp32 `G` that test_dA_log_at_the_fp32_decay_limit stays just inside.
@@ -400,15 +413,15 @@ def test_log_decay_gradient_is_zero_where_the_decay_underflows(seed, interpreter
 
 @pytest.mark.parametrize("step_limit", [8.0, -1.0], ids=["products", "elementwise"])
 def test_diagonal_blocks_at_the_products_limits(step_limit, interpreter, monkeypatch):
-    """The backward's diagonal blocks go by products (`backward._diagonal_by_products`) while a block's decay
+    """The backward's diagonal blocks go by products (`diagonal_backward.diagonal_by_products`) while a block's decay
     span is at most DOT_SPAN (80) and its largest single log decay at most DIFFERENCE_STEP (8), else element
     by element. Softplus gates with a log decay near -5.2 a step put 16-row blocks just under both (spans
     near 78, where the anchored factors reach e^78, and the decays that multiply the products' da residual
     in dA_log); fp32, every gradient against the float64 reference. With the step limit at -1 every block
     takes the element-wise path, which must agree as well."""
-    from kda.backends.triton import backward
+    from kda.backends.triton import chunk_backward
 
-    monkeypatch.setattr(backward, "DIFFERENCE_STEP", tl.constexpr(step_limit))
+    monkeypatch.setattr(chunk_backward, "DIFFERENCE_STEP", tl.constexpr(step_limit))
     B, T, H, K, V, C = 1, 64 + 37, 2, 16, 8, 64
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     q, k, v = (torch.randn(B, T, H, D, generator=gen) for D in (K, K, V))
@@ -602,7 +615,7 @@ def test_bf16_training_dA_log_survives_the_gpus_products(interpreter, monkeypatc
 
 
 def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
-    """Drawn by the random cases in session 7 (fp16 training, softplus gate, realistic regime): with intra and
+    """Drawn by the random training cases (fp16 training, softplus gate, realistic regime): with intra and
     the backward state pass in TF32 (versions 12 to 15) dA_log came out 1.85e-2 off (tolerance 1e-2), every
     other gradient within 9e-4; 3 of 60 random bf16/fp16 training cases drawn alike failed the same way.
     With every kernel but the output in TF32x3 (versions 16 and 19) it is 4e-5 off (2.3e-3 in versions 17
@@ -623,7 +636,7 @@ def test_half_training_dA_log_with_tf32_in_intra(interpreter, monkeypatch):
 
 
 def test_bf16_training_dA_log_with_tf32_in_the_backward_state_pass(interpreter, monkeypatch):
-    """Drawn by session 8's random training cases (a short varlen batch, extreme gates): with the backward's
+    """Drawn by the random training cases (a short varlen batch, extreme gates): with the backward's
     serial pass in TF32, whose operands the tensor cores truncate, dA_log fails (1.24e-2 off the float64
     reference, tolerance 1e-2); in TF32x3, as shipped, 4e-5."""
     case = VerificationCase(

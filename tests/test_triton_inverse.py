@@ -1,4 +1,4 @@
-"""The intra kernel's ``[16, 16]`` unit lower inverse (`intra._unit_lower_inverse`: a product of
+"""The intra kernel's ``[16, 16]`` unit lower inverse (`intra.unit_lower_inverse`: a product of
 ``I + n^(2^i)`` factors, then one Newton step), run in Triton's interpreter against a float64 inverse,
 on the matrices where the product alone cancels badly: correlated keys with beta near 2."""
 
@@ -24,7 +24,7 @@ BOUND = 2e-5  # relative to the inverse's largest entry; forward substitution in
 def _inverse_kernel(a, out, BC: tl.constexpr):
     r = tl.arange(0, BC)
     offsets = r[:, None] * BC + r[None, :]
-    tl.store(out + offsets, intra._unit_lower_inverse(tl.load(a + offsets), BC))
+    tl.store(out + offsets, intra.unit_lower_inverse(tl.load(a + offsets), BC))
 
 
 def _block(generator: torch.Generator, cosine: float, beta: float, K: int = 64) -> torch.Tensor:

@@ -7,7 +7,7 @@ operand into its TF32 rounding and the rest and sums three TF32 products of the 
 pass), which recovers about fp32's accuracy. `emulate_gpu_dots` makes the interpreter do the same, so that CPU tests see the
 numbers the kernels give on a GPU.
 
-How it was pinned down (session 5): two bf16 training cases failed on the H200 with ``dA_log`` 1.18e-2
+How it was pinned down: two bf16 training cases failed on the H200 with ``dA_log`` 1.18e-2
 and 1.28e-2 off the float64 reference (other gradients near 2e-3), and passed in the plain interpreter at
 2e-5. Rounding the operands to TF32 gave 4.0e-3 and 2.9e-4; truncating them gave 1.17e-2 and 1.27e-2,
 and ``o`` 2.33e-3 and 2.29e-3 where the GPU had measured 2.32e-3 and 2.29e-3.

@@ -15,13 +15,14 @@ configurations are shipped per architecture (`configs`); nothing is tuned at cal
 With ``TRITON_INTERPRET=1`` the backend accepts CPU tensors and runs in Triton's interpreter: slow, but
 it is how CI checks the kernels and how a user without a GPU can step through them.
 
-The backward (`backward`: a reverse serial pass, a per-chunk gradient kernel taking K in blocks, and the
+The backward (`backward`, the host wrapper: a reverse serial pass, `state_backward`; a per-chunk gradient
+kernel taking K in blocks, `chunk_backward`, with its diagonal blocks in `diagonal_backward`; and the
 elementwise tails fused in two launches, `tails`) gives every gradient and matches the float64 reference
-in the interpreter.
+in the interpreter. The jit helpers the kernel modules share are in `tiles`.
 
 On CUDA (run on an H200 since 2026-11-29) the forward and training are offered at every K and V up to
 256, and verified before use like every backend. Training was opt-in (``KDA_TRITON_EXPERIMENTAL``) until a
-version passed the whole grid on the H200 with every training class (version 16, session 8); the variable
+version passed the whole grid on the H200 with every training class (version 16); the variable
 is no longer read. For bf16/fp16 training the products are chosen per kernel for ``dA_log``'s sake
 (`storage.dot_precisions`): a GPU truncates fp32 operands to TF32, and ``dA_log`` sums terms that cancel.
 Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA context down with

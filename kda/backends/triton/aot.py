@@ -34,7 +34,6 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
     per thread and ``spill_bytes`` (the stack a thread spills to; None where cuobjdump is missing)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compiling needs Triton out of interpreter mode: unset TRITON_INTERPRET")
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -51,10 +50,11 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
         TRAINING_STATE,
     )
     from kda.backends.triton.tails import ROWS, gate_beta_tail_kernel, qk_tail_kernel
+    from kda.backends.triton.tiles import padded_dim
 
     target = GPUTarget("cuda", capability * 10, 32)
     config = launch_config(capability, K, V)
-    BK, BV_all = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    BK, BV_all = padded_dim(K), padded_dim(V)
     f32, bf16, i32 = "*fp32", "*bf16", "*i32"
     heads = {"H": 4, "HV": 8, "K": K, "V": V}
 
@@ -122,7 +122,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
                 "SAVE": False,
                 "ROUND": False,
                 "STORED_OPERANDS": config.intra_half_products,
-                "PHASES": 3,
+                "PARTS": 3,
             },
             config.intra_warps,
             config.intra_stages,
@@ -218,7 +218,7 @@ def kernel_requirements(capability: int, K: int, V: int, C: int) -> dict[str, di
             "SAVE": True,
             "ROUND": False,
             "STORED_OPERANDS": False,
-            "PHASES": 3,
+            "PARTS": 3,
         },
         config.intra_warps,
         config.intra_stages,

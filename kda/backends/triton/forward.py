@@ -24,16 +24,13 @@ from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
 from kda.backends.triton.state import state_pass_kernel
 from kda.backends.triton.storage import dot_precisions, storage_dtype
+from kda.backends.triton.tiles import padded_dim
 from kda.errors import KDAInputError
 from kda.spec import GateMode, KDASpec, cu_seqlens_violation
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
 
 
 def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
@@ -64,7 +61,7 @@ def plan_forward(
     tokens = B * T
     layout = chunk_layout(sequence_bounds(inputs, spec), C, device)
     NT, N = layout.num_chunks, layout.num_seqs
-    BK, BV_all = _block(K), _block(V)
+    BK, BV_all = padded_dim(K), padded_dim(V)
     major = None if device.type != "cuda" else torch.cuda.get_device_capability(device)[0]
     config = launch_config(major, K, V)
     precision = dot_precisions(spec)
@@ -90,8 +87,9 @@ def plan_forward(
     )
     ht = None
     if spec.output_final_state:
-        reuse = out is not None and out.final_state is not None and out.final_state.is_contiguous()
-        ht = out.final_state if reuse else torch.empty(spec.state_shape, dtype=f32, device=device)
+        given_ht = None if out is None else out.final_state
+        reuse = given_ht is not None and given_ht.is_contiguous()
+        ht = given_ht if reuse else torch.empty(spec.state_shape, dtype=f32, device=device)
     h0 = None if inputs.initial_state is None else inputs.initial_state.contiguous()
     gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SAFE: SAFE}[spec.gate_mode]
     BV = min(config.state_block_v, BV_all)
@@ -222,7 +220,7 @@ def plan_forward(
         given = None if out is None else out.final_state
         if result_ht is not None and given is not None and result_ht is not given:
             given.copy_(result_ht)
-            result_ht = out.final_state
+            result_ht = given
         saved = None
         if save:
             saved = {

@@ -29,7 +29,7 @@ span (unbounded pre-gated or softplus gates) takes the exact element-by-element 
 exponent masked to -inf above the diagonal before ``exp``.
 
 The inverse works on 16-row blocks too: each diagonal block ``D_I = (I + A_II)^-1`` by products on
-``[16, 16]`` tiles (`_unit_lower_inverse`), then the blocks below the diagonal from the block recurrence
+``[16, 16]`` tiles (`unit_lower_inverse`), then the blocks below the diagonal from the block recurrence
 
     T_IJ = -D_I  sum_{J <= m < I} A_Im T_mJ                    (J < I, in increasing J)
 
@@ -39,6 +39,10 @@ every ``A_Im`` still needed is still there) and then read back whole for ``w`` a
 With bf16/fp16 storage (inference) the ``w`` and ``u`` products run on half-width tensor cores: ``T`` and
 the scaled rows are rounded to the storage dtype first, as FLA's ``recompute_w_u`` does (the results are
 rounded to it anyway when stored).
+
+Timing-only switch: ``PARTS`` (a constexpr, 3 as shipped: every part runs) exists only for
+`benchmarks/triton_stages.py --sweep`, which launches the kernel with 1 (stop after the scores) or 2 (stop
+after the inverse) to see where its time goes; the results are wrong then. The backend's launch leaves it at 3.
 
 Grid ``(NT, HV)``. A_kk (then T) blocks go through an ``[NT, HV, C, C]`` fp32 buffer (T and M are kept
 for the backward). A_qk (kept for stage 4), ``w``, ``u`` and ``k_g`` are stored in the dtype `storage`
@@ -51,17 +55,10 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.storage import dot, operand, stored
+from kda.backends.triton.tiles import beta_activation, head_rows, inv_norm
 
 SUB_CHUNK = 16  # rows per sub-chunk (the kernels' BC): the smallest tile tl.dot takes
 DOT_SPAN = tl.constexpr(80.0)  # largest decay span a diagonal block takes by product: e^80 = 5.5e34 < fp32 max
-
-
-@triton.jit
-def _inv_norm(x, L2: tl.constexpr):
-    """Per row of ``x [rows, K]``: ``1 / sqrt(sum x^2 + eps)`` with l2norm in kernel, else 1."""
-    if L2:
-        return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)  # eps as kda.reference.l2norm
-    return tl.full([x.shape[0]], 1.0, tl.float32)
 
 
 @triton.jit
@@ -72,19 +69,10 @@ def _rows_l2(x, L2: tl.constexpr):
 
 
 @triton.jit
-def _beta(b, SIGMOID: tl.constexpr, TWO: tl.constexpr):
-    if SIGMOID:
-        b = tl.sigmoid(b)
-        if TWO:
-            b = 2.0 * b
-    return b
-
-
-@triton.jit
 def _row_betas(beta, rows, valid, i_hv, HV: tl.constexpr, SIGMOID: tl.constexpr, TWO: tl.constexpr):
     """``beta`` of value head ``i_hv`` at ``rows`` after its activation, 0 past the sequence's end."""
     b = tl.load(beta + rows.to(tl.int64) * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-    return tl.where(valid, _beta(b, SIGMOID, TWO), 0.0)
+    return tl.where(valid, beta_activation(b, SIGMOID, TWO), 0.0)
 
 
 @triton.jit
@@ -120,9 +108,8 @@ def intra_chunk_kernel(
     SAVE: tl.constexpr,
     ROUND: tl.constexpr,  # round bf16 stores by hand (the interpreter truncates; see `storage`)
     STORED_OPERANDS: tl.constexpr,  # w and u from half-width products (bf16/fp16 storage; see below)
-    # For timing only (`benchmarks/triton_stages.py --sweep`), wrong results otherwise: 1 stops after the
-    # scores, 2 after the inverse.
-    PHASES: tl.constexpr = 3,
+    # Timing-only switch (see the module docstring): 3 as shipped; 1 stops after the scores, 2 after the inverse.
+    PARTS: tl.constexpr = 3,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -201,12 +188,12 @@ def intra_chunk_kernel(
                 _store_zero_scores(a_base + out_rows + (J * BC + sub)[None, :], A_kk, A_qk, M_out, BC, SAVE)
     tl.debug_barrier()
 
-    if PHASES < 2:  # timing only
+    if PARTS < 2:  # timing only
         return
 
     # ---- T = (I + A_kk)^-1, 16-row blocks, written over A_kk ---------------------------------------
     for I in range(BT // BC):
-        d_inv = _unit_lower_inverse(tl.load(A_kk + a_base + _block_offsets(I, I, BT, BC)), BC)
+        d_inv = unit_lower_inverse(tl.load(A_kk + a_base + _block_offsets(I, I, BT, BC)), BC)
         for J in range(I):
             acc = tl.zeros([BC, BC], dtype=tl.float32)
             for m in range(J, I):  # A_Im (not yet overwritten: m > J) times T_mJ (an earlier row block)
@@ -218,7 +205,7 @@ def intra_chunk_kernel(
             tl.store(A_kk + a_base + _block_offsets(I, J, BT, BC), -dot(d_inv, acc, DOT_PRECISION))
         tl.store(A_kk + a_base + _block_offsets(I, I, BT, BC), d_inv)
         tl.debug_barrier()  # row block I of T is read by the later ones
-    if PHASES < 3:  # timing only
+    if PARTS < 3:  # timing only
         return
     r = tl.arange(0, BT)
     t_inv = tl.load(A_kk + a_base + r[:, None] * BT + r[None, :])  # blocks above the diagonal hold zeros
@@ -278,7 +265,7 @@ def _block_offsets(I, J, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(a, BC: tl.constexpr):
+def unit_lower_inverse(a, BC: tl.constexpr):
     """``(I + a)^-1`` for a strictly lower triangular ``a [BC, BC]`` (BC = 16), by products, not by a
     16-step substitution.
 
@@ -337,14 +324,14 @@ def _score_row_block(
     rows_i = start + I * BC + sub
     valid_i = rows_i < end
     m_i = valid_i[:, None] & (cols[None, :] < K)
-    k_i = tl.load(_rows(k, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
-    q_i = tl.load(_rows(q, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
-    k_norm = _inv_norm(k_i, L2)  # [BC]: 1 / ||k_i|| with l2norm in kernel, else 1
-    q_norm = _inv_norm(q_i, L2)
+    k_i = tl.load(head_rows(k, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
+    q_i = tl.load(head_rows(q, rows_i, i_h, cols, H, K), mask=m_i, other=0.0).to(tl.float32)
+    k_norm = inv_norm(k_i, L2)  # [BC]: 1 / ||k_i|| with l2norm in kernel, else 1
+    q_norm = inv_norm(q_i, L2)
     k_i = k_i * k_norm[:, None]
     q_i = q_i * q_norm[:, None]
     anchor = tl.load(G + (start + I * BC).to(tl.int64) * (HV * K) + i_hv * K + cols, mask=cols < K, other=0.0)
-    g_i = tl.load(_rows(G, rows_i, i_hv, cols, HV, K), mask=m_i, other=0.0)
+    g_i = tl.load(head_rows(G, rows_i, i_hv, cols, HV, K), mask=m_i, other=0.0)
     g_i = tl.where(m_i, g_i, anchor[None, :])  # rows past the end: exp(0) times a zero key
     b_i = _row_betas(beta, rows_i, valid_i, i_hv, HV, SIGMOID, TWO)
     k_i_late = k_i * tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
@@ -354,8 +341,8 @@ def _score_row_block(
         if J < I:
             rows_j = start + J * BC + sub  # all before the anchor, all inside the sequence
             m_j = (cols[None, :] < K) & (rows_j[:, None] < end)
-            k_j = _rows_l2(tl.load(_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32), L2)
-            g_j = tl.load(_rows(G, rows_j, i_hv, cols, HV, K), mask=m_j, other=0.0)
+            k_j = _rows_l2(tl.load(head_rows(k, rows_j, i_h, cols, H, K), mask=m_j, other=0.0).to(tl.float32), L2)
+            g_j = tl.load(head_rows(G, rows_j, i_hv, cols, HV, K), mask=m_j, other=0.0)
             k_j_early = k_j * tl.exp(anchor[None, :] - g_j)  # exp(G_a - G_j) <= 1
             kk = dot(k_i_late, tl.trans(k_j_early), DOT_PRECISION)
             qk = dot(q_i_late, tl.trans(k_j_early), DOT_PRECISION)
@@ -431,12 +418,12 @@ def _score_row_block_split(
     for c0 in range(0, BK, BKS):
         cs = c0 + tl.arange(0, BKS)
         m_i = valid_i[:, None] & (cs[None, :] < K)
-        k_c = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
-        q_c = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+        k_c = tl.load(head_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+        q_c = tl.load(head_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
         k_squares += tl.sum(k_c * k_c, axis=1)
         q_squares += tl.sum(q_c * q_c, axis=1)
         anchor = tl.load(a_row + cs, mask=cs < K, other=0.0)
-        g_c = tl.where(m_i, tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0), anchor[None, :])
+        g_c = tl.where(m_i, tl.load(head_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0), anchor[None, :])
         span = tl.maximum(span, tl.max(tl.max(tl.abs(g_c - anchor[None, :]), axis=1), axis=0))
     if L2:
         k_norm = tl.rsqrt(k_squares + 1e-6)  # eps as kda.reference.l2norm
@@ -465,13 +452,13 @@ def _score_row_block_split(
                     m_j = valid_j[:, None] & (cs[None, :] < K)
                     anchor = tl.load(a_row + cs, mask=cs < K, other=0.0)
                     g_i = tl.where(
-                        m_i, tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0), anchor[None, :]
+                        m_i, tl.load(head_rows(G, rows_i, i_hv, cs, HV, K), mask=m_i, other=0.0), anchor[None, :]
                     )
                     late = tl.exp(g_i - anchor[None, :])  # exp(G_i - G_a) <= 1
-                    k_i = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
-                    q_i = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
-                    k_j = tl.load(_rows(k, rows_j, i_h, cs, H, K), mask=m_j, other=0.0).to(tl.float32)
-                    g_j = tl.load(_rows(G, rows_j, i_hv, cs, HV, K), mask=m_j, other=0.0)
+                    k_i = tl.load(head_rows(k, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+                    q_i = tl.load(head_rows(q, rows_i, i_h, cs, H, K), mask=m_i, other=0.0).to(tl.float32)
+                    k_j = tl.load(head_rows(k, rows_j, i_h, cs, H, K), mask=m_j, other=0.0).to(tl.float32)
+                    g_j = tl.load(head_rows(G, rows_j, i_hv, cs, HV, K), mask=m_j, other=0.0)
                     # exp(G_a - G_j): <= 1 for earlier blocks, <= exp(DOT_SPAN) on the diagonal
                     k_j_early = k_j * tl.exp(tl.where(m_j, anchor[None, :] - g_j, 0.0))
                     j_squares += tl.sum(k_j * k_j, axis=1)
@@ -510,12 +497,6 @@ def _store_zero_scores(out_off, A_kk, A_qk, M_out, BC: tl.constexpr, SAVE: tl.co
 
 
 @triton.jit
-def _rows(ptr, rows, head, cols, HEADS: tl.constexpr, DIM: tl.constexpr):
-    """Pointers to ``[rows, cols]`` of head ``head`` in a ``[tokens, HEADS, DIM]`` tensor."""
-    return ptr + rows[:, None].to(tl.int64) * (HEADS * DIM) + head * DIM + cols[None, :]
-
-
-@triton.jit
 def _diagonal_elementwise(
     q,
     k,
@@ -541,9 +522,9 @@ def _diagonal_elementwise(
     for c0 in range(0, BK, BKC):
         cs = c0 + tl.arange(0, BKC)
         m_c = valid_i[:, None] & (cs[None, :] < K)
-        g_c = tl.load(_rows(G, rows_i, i_hv, cs, HV, K), mask=m_c, other=0.0)
-        k_c = tl.load(_rows(k, rows_i, i_h, cs, H, K), mask=m_c, other=0.0).to(tl.float32)
-        q_c = tl.load(_rows(q, rows_i, i_h, cs, H, K), mask=m_c, other=0.0).to(tl.float32)
+        g_c = tl.load(head_rows(G, rows_i, i_hv, cs, HV, K), mask=m_c, other=0.0)
+        k_c = tl.load(head_rows(k, rows_i, i_h, cs, H, K), mask=m_c, other=0.0).to(tl.float32)
+        q_c = tl.load(head_rows(q, rows_i, i_h, cs, H, K), mask=m_c, other=0.0).to(tl.float32)
         diff = g_c[:, None, :] - g_c[None, :, :]  # [i, j, c]
         keep = causal & valid_i[:, None]  # rows past the end hold no score (and no overflow)
         decay = tl.exp(tl.where(keep[:, :, None], diff, float("-inf")))

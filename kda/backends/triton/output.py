@@ -16,8 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda.backends.triton.intra import _inv_norm
 from kda.backends.triton.storage import dot, operand, stored
+from kda.backends.triton.tiles import inv_norm
 
 
 @triton.jit
@@ -59,7 +59,7 @@ def output_kernel(
         tl.float32
     )
     g_c = tl.load(G + rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + kcols[None, :], mask=m_k, other=0.0)
-    q_c = q_c * _inv_norm(q_c, L2)[:, None] * tl.exp(g_c)
+    q_c = q_c * inv_norm(q_c, L2)[:, None] * tl.exp(g_c)
     h_c = tl.load(
         h + (i_c.to(tl.int64) * HV + i_hv) * K * V + kcols[:, None] * V + vcols[None, :],
         mask=(kcols[:, None] < K) & (vcols[None, :] < V),

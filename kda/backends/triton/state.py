@@ -25,17 +25,7 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.storage import dot, operand, stored
-
-
-@triton.jit
-def state_tile(i_n, i_hv, kcols, vcols, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
-    """Offsets and mask of the ``[BK, BV]`` tile (rows ``kcols``, columns ``vcols``) of sequence ``i_n``'s state
-    for value head ``i_hv``, in a ``[N, HV, K, V]`` tensor, or ``[N, HV, V, K]`` with ``V_FIRST``."""
-    state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
-    state_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
-    if V_FIRST:
-        return state_base + vcols[None, :] * K + kcols[:, None], state_mask
-    return state_base + kcols[:, None] * V + vcols[None, :], state_mask
+from kda.backends.triton.tiles import state_tile
 
 
 @triton.jit

@@ -26,8 +26,9 @@ tensor cores for bf16/fp16 inputs at inference, where the state pass and the out
 configured) take half-width operands instead (`operand`: the stored intermediates as they are, fp32
 accumulation); for bf16/fp16 training, ``tf32x3`` (three TF32 products that recover fp32's accuracy) in
 every kernel whose products reach the gradients, TF32 in the output (the measurements are beside
-`TRAINING_INTRA` below). ``TF32_ROUNDED`` (one TF32 product of operands rounded to TF32 first) is there
-for experiments (`benchmarks/training_precision.py`); no kernel ships with it. On the
+`TRAINING_INTRA` below). ``TF32_ROUNDED`` (one TF32 product of operands rounded to TF32 first) exists only
+for precision experiments (`benchmarks/training_precision.py`, `benchmarks/triton_stages.py --train-sweep`);
+no kernel ships with it. On the
 GPU a TF32 product reads its fp32 operands truncated to 10 mantissa bits, not rounded. That was
 reproduced on the CPU by making the interpreter truncate the same way (`tests/tf32.py`): it moved two
 bf16 training cases' ``dA_log`` from 2e-5 to 1.17e-2 and 1.27e-2 of the float64 reference, what the H200
@@ -64,7 +65,7 @@ class DotPrecisions:
 
 
 def dot_precisions(spec: KDASpec) -> DotPrecisions:
-    """The products of each kernel of this call."""
+    """The products of each kernel for this spec."""
     if spec.dtype == torch.float32:
         return DotPrecisions(*["ieee"] * 5)
     if not spec.requires_grad:
@@ -78,31 +79,22 @@ def dot_precisions(spec: KDASpec) -> DotPrecisions:
     )
 
 
-# Training, bf16/fp16. Kernel by kernel, ``dA_log`` (a sum whose terms cancel) decides; measured offline
-# with the GPU's products emulated (`tests/tf32.py`), tolerance 1e-2:
-# - Session 6, one case (the one the H200 failed in version 8): every kernel in TF32 1.27e-2, all in
-#   TF32x3 4.7e-5; one kernel in TF32 at a time: state pass 5.1e-3, backward per-chunk 4.6e-3, backward
-#   state pass 1.2e-3, intra 8.7e-4. TF32 in intra and the backward state pass was shipped (versions 12-15).
-# - Session 7: 60 random bf16/fp16 training cases (`KDA_RANDOM_CASES`' draw, seeds 11 and 12): that mix
-#   failed 3 (1.31e-2, 5.53e-2, 5.80e-2); every kernel but the output in TF32x3 failed none (worst
-#   2.5e-4): version 16. On the H200 that cost, at B4_T2048_H16_D128, intra 0.87 ms against 0.38 in TF32
-#   and the backward state pass 1.04 against 0.54 (session 8); at K = 256 the backward state pass 117 ms
-#   against 15, as TF32x3 needs 168 KB of shared memory at 16 V columns a program (288 KB at 64).
-# - Session 8: rounded TF32 (`TF32_ROUNDED`: one TF32 product of operands rounded to nearest first) in the
-#   backward state pass alone: no failure in 170 random cases (seeds 11, 12, 101, 202 of
-#   `benchmarks/training_precision.py`), median 2.4e-5, worst 7.0e-3 (version 17). On the case truncated
-#   TF32 failed worst (5.53e-2), that pass in truncated TF32 with intra in TF32x3 still fails (1.24e-2),
-#   rounded it gives 1.8e-3. Rounded in intra too fails (2.7e-2, 3.9e-2); in the state pass and the
-#   backward per-chunk kernel too, one failure in 27 (1.34e-2): they stay TF32x3. On the H200 at
-#   B4_T2048_H16_D128 the backward state pass takes 0.59 ms rounded (1.04 in TF32x3; 0.40 at 8 warps).
-#   Versions 17 and 18 shipped it. Then CI's random interpreter cases drew a failure with it (fp16,
-#   softplus, varlen, K = 4, V = 39: dA_log 1.0015e-2; the same pass in truncated TF32 6.8e-3, in TF32x3
-#   1.2e-4; `test_half_training_dA_log_with_rounded_tf32_in_the_backward_state_pass`): rounding makes the
-#   operands' errors unbiased, not small enough. Version 19 is back to TF32x3 there.
-# The output never reaches the backward: TF32, as at inference.
+# Training, bf16/fp16: the products of each kernel. ``dA_log`` (a sum whose terms cancel) decides; the figures
+# are its relative error against the float64 reference (tolerance 1e-2), measured on the CPU with the GPU's
+# products emulated (`tests/tf32.py`) over random cases of `benchmarks/training_precision.py` (seeds 11, 12,
+# 101, 202), and H200 kernel times from `benchmarks/triton_stages.py --train-sweep` at B4_T2048_H16_D128.
+#
+# Experiment-only switches: these four are module attributes, read by `dot_precisions` at each call, so that
+# `benchmarks/training_precision.py` (its ``MIXES``) and `benchmarks/triton_stages.py --train-sweep` (its
+# "precision.<kernel>" variants) can set them with setattr and restore them afterwards. Nothing else sets them;
+# the shipped values are the four "tf32x3" below.
+# 60 random cases: none fails with TF32x3 (worst 2.5e-4); TF32 here and in the backward state pass fails 3
 TRAINING_INTRA = "tf32x3"
+# one case in TF32 in this kernel alone: 5.1e-3 (TF32x3 everywhere: 4.7e-5)
 TRAINING_STATE = "tf32x3"
+# an fp16 softplus varlen case (K = 4, V = 39): 1.2e-4 in TF32x3, 1.0015e-2 in rounded TF32, 6.8e-3 in TF32
 TRAINING_BACKWARD_STATE = "tf32x3"
+# one case in TF32 in this kernel alone: 4.6e-3; rounded TF32 here and in the state pass: 1 failure in 27
 TRAINING_BACKWARD_CHUNK = "tf32x3"
 
 

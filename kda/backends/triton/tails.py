@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS
+from kda.backends.triton.tiles import padded_dim
 
 _SAFE = tl.constexpr(SAFE)
 _SOFTPLUS = tl.constexpr(SOFTPLUS)
@@ -102,7 +103,8 @@ def gate_beta_tail_kernel(
     mask = valid[:, None] & (cols[None, :] < K)
     offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     d = tl.load(da + offsets, mask=mask, other=0.0)
-    if GATE == _SAFE or GATE == _SOFTPLUS:  # Triton compiles no `in`
+    # Triton's compiler takes no `in` (UnsupportedLanguageConstruct); the interpreter does, so only aot sees it
+    if GATE == _SAFE or GATE == _SOFTPLUS:
         z = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
             z += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]
@@ -137,12 +139,10 @@ def gate_beta_tail_kernel(
 def fused_tails(inputs, spec, dq_heads, dk_heads, da, dbeta_heads):
     """``(dq, dk, dg, dbeta, dA_log, ddt_bias)`` for the inputs as given (see the module docstring); ``None``
     for an input that is absent."""
-    from kda.backends.triton.forward import _block
-
     B, T, H, HV, K = spec.B, spec.T, spec.H, spec.HV, spec.K
     tokens = B * T
     blocks = triton.cdiv(tokens, ROWS)
-    BK = _block(K)
+    BK = padded_dim(K)
     q, k, g, beta = (t.contiguous() for t in (inputs.q, inputs.k, inputs.g, inputs.beta))
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     L2 = spec.use_qk_l2norm_in_kernel

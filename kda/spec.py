@@ -1,6 +1,8 @@
 """`KDASpec`: the one validated description of a `chunk_kda` call.
 
-Every rule of the call contract (DESIGN sections 1-2) is stated here once, as a check in
+Every rule of the call contract (what `chunk_kda` accepts: shapes, dtypes, devices, gate modes and
+their parameters, variable length, the state layout; see "The contract" in `docs/design.md`) is stated
+here once, as a check in
 `KDASpec._check_contract`. A backend receives a spec that passed, and never re-validates what it
 guarantees. The spec holds no tensors: only their shapes, dtypes and devices, the flags, and (when they
 are on the host already) the values of `cu_seqlens`, so it is small, immutable and hashable.
@@ -15,7 +17,7 @@ import functools
 import math
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -32,7 +34,7 @@ _SPEC_MEMO_LIMIT = 1024
 
 
 class GateMode(str, Enum):
-    """How `g` becomes the per-token log decay (DESIGN section 1)."""
+    """How `g` becomes the per-token log decay (chosen by `use_gate_in_kernel` and `safe_gate`)."""
 
     PREGATED = "pregated"  # use_gate_in_kernel=False: g is already the log decay (<= 0)
     SOFTPLUS = "softplus"  # g <- -exp(A_log[h]) * softplus(g + dt_bias[h])
@@ -76,8 +78,16 @@ def cu_seqlens_violation(values: Sequence[int], total_tokens: int) -> str | None
     return None
 
 
+BetaMode = Literal["given", "sigmoid", "sigmoid2"]
+DtypeName = Literal["bfloat16", "float16", "float32"]
+ChunkSize = Literal[32, 64]
+HeadDim = Literal[64, 128, 256]
+_BETA_OF_KEY: dict[str, BetaMode] = {"beta": "given", "sig": "sigmoid", "sig2": "sigmoid2"}
+_DTYPE_OF_KEY: dict[str, DtypeName] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 class CaseClass(BaseModel):
-    """The class of calls that one verification record covers (DESIGN section 4).
+    """The class of calls that one verification record covers ("Case classes" in `docs/design.md`).
 
     Two calls in the same class exercise the same code paths of any backend: same gate mode, in-kernel
     flags, dtype, layout features, chunk size, head-dimension bucket and need for gradients. Sizes
@@ -88,15 +98,15 @@ class CaseClass(BaseModel):
 
     gate: GateMode
     qk_l2norm: bool
-    beta: Literal["given", "sigmoid", "sigmoid2"]
-    dtype: Literal["bfloat16", "float16", "float32"]
+    beta: BetaMode
+    dtype: DtypeName
     varlen: bool
     gva: bool
     initial_state: bool
     final_state: bool
     state_v_first: bool  # normalised to False when the call has no state at all
-    chunk_size: Literal[32, 64]
-    head_dim: Literal[64, 128, 256]  # bucket of max(K, V)
+    chunk_size: ChunkSize
+    head_dim: HeadDim  # bucket of max(K, V)
     training: bool
 
     @property
@@ -131,22 +141,23 @@ class CaseClass(BaseModel):
             return cls(
                 gate=GateMode(gate),
                 qk_l2norm=qk == "l2",
-                beta={"beta": "given", "sig": "sigmoid", "sig2": "sigmoid2"}[beta],
-                dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+                beta=_BETA_OF_KEY[beta],
+                dtype=_DTYPE_OF_KEY[dtype],
                 varlen=layout == "varlen",
                 gva=heads == "gva",
                 initial_state="h0" in states,
                 final_state="ht" in states,
                 state_v_first=state_v_first,
-                chunk_size=int(chunk.removeprefix("c")),
-                head_dim=int(dim.removeprefix("d")),
+                # pydantic checks these are one of the allowed sizes (a ValueError if not)
+                chunk_size=cast(ChunkSize, int(chunk.removeprefix("c"))),
+                head_dim=cast(HeadDim, int(dim.removeprefix("d"))),
                 training=mode == "train",
             )
         except (ValueError, KeyError) as error:
             raise ValueError(f"not a case-class key: {key!r}") from error
 
 
-def head_dim_bucket(dim: int) -> Literal[64, 128, 256]:
+def head_dim_bucket(dim: int) -> HeadDim:
     """The smallest of 64, 128, 256 that holds `dim` (kernels tile head dimensions by these)."""
     return 64 if dim <= 64 else 128 if dim <= 128 else 256
 

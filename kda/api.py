@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,18 +20,11 @@ import torch
 from kda import dispatch
 from kda.backends.base import Backend, KDAInputs
 from kda.errors import KDAInputError
+from kda.options import KDAArguments
 from kda.spec import KDASpec
 
 if TYPE_CHECKING:
     from kda.report import Explanation
-
-# FLA 0.6 options kda does not implement; passing them with a non-default value is an error, not a no-op.
-_UNSUPPORTED = {
-    "return_intermediate_states": False,
-    "cp_context": None,
-    "use_graph": False,
-    "max_num_seqs": None,
-}
 
 
 @dataclass(frozen=True)
@@ -70,21 +65,21 @@ class _KDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         backend: Backend,
         spec: KDASpec,
-        cu_seqlens,
-        cu_seqlens_cpu,
-        routes,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        initial_state,
-    ):
+        cu_seqlens: torch.Tensor | None,
+        cu_seqlens_cpu: torch.Tensor | None,
+        routes: list[Route] | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        A_log: torch.Tensor | None,
+        dt_bias: torch.Tensor | None,
+        initial_state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
         result = backend.forward(inputs, spec)
         _note(backend, "forward", spec, routes)
@@ -95,7 +90,7 @@ class _KDAFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dfinal_state):
+    def backward(ctx: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, *ctx.cu)
         grads = ctx.backend.backward(inputs, ctx.spec, ctx.saved, do, dfinal_state)
@@ -104,39 +99,31 @@ class _KDAFunction(torch.autograd.Function):
         return (None,) * 5 + tuple(grad if need else None for grad, need in zip(grads.as_tuple(), wanted))
 
 
-def _prepare(args: dict[str, Any], kwargs: dict[str, Any]) -> tuple[KDASpec, dict[str, Any]]:
-    """Check the FLA-only options and unknown keywords, then build the spec."""
-    if "transpose_state_layout" in kwargs:  # FLA's deprecated name for state_v_first
-        old = kwargs.pop("transpose_state_layout")
-        if args["state_v_first"] and old is not None:
-            raise KDAInputError("transpose_state_layout", "is the deprecated name of state_v_first; pass only one")
-        args["state_v_first"] = bool(old)
-    if kwargs:
-        raise KDAInputError(next(iter(kwargs)), "is not an argument of chunk_kda", ", ".join(sorted(kwargs)))
-    for name, default in _UNSUPPORTED.items():
-        if args[name] is not default and args[name] != default:
-            raise KDAInputError(name, f"is not supported by kda (only the default {default!r} is)", repr(args[name]))
-    spec_args = {n: a for n, a in args.items() if n not in _UNSUPPORTED and n != "backend"}
-    return KDASpec.from_call(**spec_args), spec_args
+def _prepare(args: KDAArguments, extra: dict[str, Any]) -> tuple[KDASpec, KDAArguments]:
+    """Take FLA's deprecated ``transpose_state_layout`` and refuse unknown keywords, then build the spec
+    (which refuses the FLA options kda does not implement, then checks every rule)."""
+    if extra:
+        extra = dict(extra)
+        if "transpose_state_layout" in extra:  # FLA's deprecated name for state_v_first
+            old = extra.pop("transpose_state_layout")
+            if args.state_v_first and old is not None:
+                raise KDAInputError("transpose_state_layout", "is the deprecated name of state_v_first; pass only one")
+            args = dataclasses.replace(args, state_v_first=bool(old))
+        if extra:
+            raise KDAInputError(next(iter(extra)), "is not an argument of chunk_kda", ", ".join(sorted(extra)))
+    return KDASpec.from_args(args), args
 
 
-def _run(spec: KDASpec, call: dict[str, Any], backend_request: dispatch.Request):
+def _run(
+    spec: KDASpec, args: KDAArguments, backend_request: dispatch.Request
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     backend = dispatch.select(spec, backend_request)
     routes = _routes.get()
-    tensors = (
-        call["q"],
-        call["k"],
-        call["v"],
-        call["g"],
-        call["beta"],
-        call["A_log"],
-        call["dt_bias"],
-        call["initial_state"],
-    )
+    tensors = (args.q, args.k, args.v, args.g, args.beta, args.A_log, args.dt_bias, args.initial_state)
     if spec.requires_grad:
-        o, final_state = _KDAFunction.apply(backend, spec, call["cu_seqlens"], call["cu_seqlens_cpu"], routes, *tensors)
+        o, final_state = _KDAFunction.apply(backend, spec, args.cu_seqlens, args.cu_seqlens_cpu, routes, *tensors)
     else:
-        inputs = KDAInputs(*tensors, call["cu_seqlens"], call["cu_seqlens_cpu"])
+        inputs = KDAInputs(*tensors, args.cu_seqlens, args.cu_seqlens_cpu)
         result = backend.forward(inputs, spec)
         _note(backend, "forward", spec, routes)
         o, final_state = result.o, result.final_state
@@ -181,18 +168,50 @@ def chunk_kda(
 
         S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
-    Gate modes: ``use_gate_in_kernel=False`` takes g as the log decay; ``True`` applies
-    ``-exp(A_log) * softplus(g + dt_bias)``, or with ``safe_gate=True`` and ``-5 <= lower_bound < 0``,
-    ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``. ``use_qk_l2norm_in_kernel`` normalises q and k;
-    ``use_beta_sigmoid_in_kernel`` takes beta as logits (``2 * sigmoid`` with ``allow_neg_eigval``).
+    The arguments are those of `fla.ops.kda.chunk_kda` 0.6, in its order and with its defaults (declared
+    once, in `kda.options.KDAArguments`), then kda's keyword-only ``backend``, ``A_log``, ``dt_bias`` and
+    ``chunk_size``. Nothing passed is modified.
 
-    Args beyond FLA's:
+    Args:
+        q: queries ``[B, T, H, K]``, bfloat16, float16 or float32; K <= 256.
+        k: keys, q's shape and dtype.
+        v: values ``[B, T, HV, V]`` in q's dtype; HV a multiple of H (grouped value attention), V <= 256.
+        g: ``[B, T, HV, K]``: the per-token log decay (<= 0), or with ``use_gate_in_kernel`` the raw gate
+            input.
+        beta: ``[B, T, HV]``: the delta-rule step size, or with ``use_beta_sigmoid_in_kernel`` its logits.
+        scale: the output scale; None means ``K ** -0.5``.
+        initial_state: ``S_0`` per sequence, ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` with
+            ``state_v_first``); None means zero.
+        output_final_state: return ``S_T`` per sequence as the second result (else None).
+        use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first.
+        use_gate_in_kernel: compute the log decay from g: ``-exp(A_log) * softplus(g + dt_bias)``, or with
+            ``safe_gate`` ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+        use_beta_sigmoid_in_kernel: take beta as logits: ``sigmoid(beta)``.
+        allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 * sigmoid(beta)`` (eigenvalues of the
+            transition down to -1).
+        safe_gate: the bounded gate (requires ``use_gate_in_kernel`` and ``lower_bound``).
+        lower_bound: the safe gate's bound, ``-5 <= lower_bound < 0``; only with ``safe_gate``.
+        disable_recompute: a memory/speed hint for training backends (keep intermediates rather than
+            recompute them in backward); backends may ignore it, and it never changes the numbers.
+        return_intermediate_states: FLA-only, not supported: `KDAInputError` unless False.
+        state_v_first: states are ``[N, HV, V, K]`` rather than ``[N, HV, K, V]``.
+        cu_seqlens: variable length: ``[N+1]`` int32/int64 sequence boundaries in the flattened time axis
+            (0, non-decreasing, ending at T), on q's device; q etc. then have ``B == 1``.
+        cu_seqlens_cpu: an optional host copy of ``cu_seqlens`` (saves backends a device sync).
+        cp_context: FLA-only (context parallelism), not supported: `KDAInputError` unless None.
+        use_graph: FLA-only, not supported: `KDAInputError` unless False.
+        max_num_seqs: FLA-only, not supported: `KDAInputError` unless None.
         backend: ``"auto"`` (fastest verified backend; inside `kda.use_backends` only those), a backend
             name, or a list of names tried in order. A named backend that cannot serve the call raises
             `BackendSelectionError` with the reasons; it never silently falls back.
-
-    Not supported (raise `KDAInputError` when set): ``return_intermediate_states``, ``cp_context``,
-    ``use_graph``, ``max_num_seqs``. ``disable_recompute`` is a hint backends may ignore.
+        A_log: ``[HV]`` fp32, the per-head decay rate of the in-kernel gates (``exp(A_log)``); required by
+            the softplus gate, optional (1) for the safe gate; only with ``use_gate_in_kernel``.
+        dt_bias: ``[HV*K]`` or ``[HV, K]`` fp32, added to g by the in-kernel gates; None means zero; only
+            with ``use_gate_in_kernel``.
+        chunk_size: 32 or 64, the chunk length of the chunked algorithm (changes the route through it,
+            not the result).
+        **kwargs: ``transpose_state_layout``, FLA's deprecated name of ``state_v_first`` (pass only one);
+            any other keyword raises `KDAInputError`.
 
     Returns:
         ``(o [B, T, HV, V] in q's dtype, final_state fp32 or None)``.
@@ -201,37 +220,61 @@ def chunk_kda(
         KDAInputError: the call broke a rule of the contract (before any kernel ran).
         BackendSelectionError: no requested backend can serve the call.
     """
-    args = dict(locals())
-    kwargs = args.pop("kwargs")
-    backend_request = args["backend"]
-    spec, call = _prepare(args, kwargs)
-    return _run(spec, call, backend_request)
+    args = KDAArguments(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate,
+        lower_bound=lower_bound,
+        disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        cp_context=cp_context,
+        use_graph=use_graph,
+        max_num_seqs=max_num_seqs,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        chunk_size=chunk_size,
+    )
+    spec, args = _prepare(args, kwargs)
+    return _run(spec, args, backend)
+
+
+_CHUNK_KDA = inspect.signature(chunk_kda)
 
 
 def explain(*args: Any, **kwargs: Any) -> Explanation:
     """What `chunk_kda` would do with these same arguments: every registered backend, whether it was
     chosen, and why or why not. Returns a printable `Explanation` (``print(kda.explain(...))``).
 
-    Like the call itself, it verifies a backend lazily for this case class when no record exists.
+    Takes exactly `chunk_kda`'s arguments (its signature is `chunk_kda`'s). Like the call itself, it
+    verifies a backend lazily for this case class when no record exists.
     """
+    from kda import registry
     from kda.report import Explanation
 
-    bound = _bind(*args, **kwargs)
-    request = bound.pop("backend")
-    extra = bound.pop("kwargs")
-    spec, _ = _prepare({**bound, "backend": request}, extra)
+    bound = _CHUNK_KDA.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = dict(bound.arguments)
+    request = given.pop("backend")
+    extra = given.pop("kwargs")
+    spec, _ = _prepare(KDAArguments(**given), extra)
     requested = dispatch._requested(request)
     names = None if requested is None else set(requested)
     decision = dispatch.decide(spec, request)
-    from kda import registry
-
     others = [b.name for b in registry.registered_backends() if names is not None and b.name not in names]
     return Explanation(decision, not_requested=others)
 
 
-def _bind(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    import inspect
-
-    bound = inspect.signature(chunk_kda).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+explain.__signature__ = _CHUNK_KDA.replace(return_annotation="Explanation")  # type: ignore[attr-defined]

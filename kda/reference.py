@@ -21,9 +21,13 @@ not catch.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kda import options
+from kda.options import KDAArguments
 
 L2NORM_EPS = 1e-6
 
@@ -121,59 +125,63 @@ def naive_recurrence(
 
 
 def kda_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float64,
+    *args: Any, compute_dtype: torch.dtype = torch.float64, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with `chunk_kda`'s arguments, computed by the naive recurrence in `compute_dtype`.
 
+    Takes the fields of `kda.options.KDAArguments` (FLA 0.6's arguments in its order, then ``A_log``,
+    ``dt_bias``, ``chunk_size`` by keyword; ``backend`` is not one), plus ``compute_dtype``. The
+    recurrence has no chunks and reads ``cu_seqlens`` only, so ``chunk_size``, ``disable_recompute`` and
+    ``cu_seqlens_cpu`` do not change its result.
+
     Every input is upcast to `compute_dtype` first (float64 by default), so the result is the exact
     function of the given (possibly bf16) inputs. Differentiable: gradients of the float64 result are
-    the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`; no argument checks (the
-    caller validated through `KDASpec`).
+    the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`. It checks no rule of the
+    contract (the caller validated through `KDASpec`) beyond refusing the FLA options kda does not
+    implement.
     """
+    return reference_of(KDAArguments(*args, **kwargs), compute_dtype)
 
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+
+kda_reference.__signature__ = options.signature(  # type: ignore[attr-defined]
+    extra={"compute_dtype": torch.float64}, return_annotation="tuple[torch.Tensor, torch.Tensor | None]"
+)
+
+
+def reference_of(
+    args: KDAArguments, compute_dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`kda_reference` of arguments already gathered in a `KDAArguments`."""
+    args.check_fla_only()
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(compute_dtype)
+
+    def cast_optional(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(compute_dtype)
 
-    q, k, v, g, beta = map(cast, (q, k, v, g, beta))
-    A_log, dt_bias, initial_state = map(cast, (A_log, dt_bias, initial_state))
+    q, k, v, g, beta = (cast(t) for t in (args.q, args.k, args.v, args.g, args.beta))
+    A_log, dt_bias, initial_state = (cast_optional(t) for t in (args.A_log, args.dt_bias, args.initial_state))
     K = q.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
+    scale = K**-0.5 if args.scale is None else args.scale
+    if args.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    beta = beta_transform(beta, sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    beta = beta_transform(beta, sigmoid=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval)
     g = log_decay(
         g,
-        use_gate_in_kernel=use_gate_in_kernel,
-        safe_gate_on=safe_gate,
+        use_gate_in_kernel=args.use_gate_in_kernel,
+        safe_gate_on=args.safe_gate,
         A_log=A_log,
         dt_bias=dt_bias,
-        lower_bound=lower_bound,
+        lower_bound=args.lower_bound,
     )
-    if initial_state is not None and state_v_first:
+    if initial_state is not None and args.state_v_first:
         initial_state = initial_state.transpose(-1, -2)
 
-    if cu_seqlens is None:
+    if args.cu_seqlens is None:
         o, S = naive_recurrence(q, k, v, g, beta, scale, initial_state)
     else:
-        bounds = [int(x) for x in cu_seqlens.tolist()]
+        bounds = [int(x) for x in args.cu_seqlens.tolist()]
         outs, states = [], []
         for n, (start, end) in enumerate(itertools.pairwise(bounds)):
             h0 = None if initial_state is None else initial_state[n : n + 1]
@@ -183,6 +191,6 @@ def kda_reference(
             states.append(S_n)
         o, S = torch.cat(outs, dim=1), torch.cat(states, dim=0)
 
-    if not output_final_state:
+    if not args.output_final_state:
         return o, None
-    return o, (S.transpose(-1, -2) if state_v_first else S)
+    return o, (S.transpose(-1, -2) if args.state_v_first else S)

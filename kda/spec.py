@@ -1,6 +1,8 @@
 """`KDASpec`: the one validated description of a `chunk_kda` call.
 
-Every rule of the call contract (DESIGN sections 1-2) is stated here once, as a check in
+Every rule of the call contract (what `chunk_kda` accepts: shapes, dtypes, devices, gate modes and
+their parameters, variable length, the state layout; see "The contract" in `docs/design.md`) is stated
+here once, as a check in
 `KDASpec._check_contract`. A backend receives a spec that passed, and never re-validates what it
 guarantees. The spec holds no tensors: only their shapes, dtypes and devices, the flags, and (when they
 are on the host already) the values of `cu_seqlens`, so it is small, immutable and hashable.
@@ -13,14 +15,26 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from kda.errors import KDAInputError
+from kda.options import (
+    DIFFERENTIABLE,
+    FLAGS,
+    NUMBERS,
+    OPTIONS,
+    TENSORS,
+    KDAArguments,
+    flags_of,
+    options_of,
+    tensors_of,
+)
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 INDEX_DTYPES = ("int32", "int64")
@@ -31,7 +45,7 @@ _SPEC_MEMO_LIMIT = 1024
 
 
 class GateMode(str, Enum):
-    """How `g` becomes the per-token log decay (DESIGN section 1)."""
+    """How `g` becomes the per-token log decay (chosen by `use_gate_in_kernel` and `safe_gate`)."""
 
     PREGATED = "pregated"  # use_gate_in_kernel=False: g is already the log decay (<= 0)
     SOFTPLUS = "softplus"  # g <- -exp(A_log[h]) * softplus(g + dt_bias[h])
@@ -75,8 +89,16 @@ def cu_seqlens_violation(values: Sequence[int], total_tokens: int) -> str | None
     return None
 
 
+BetaMode = Literal["given", "sigmoid", "sigmoid2"]
+DtypeName = Literal["bfloat16", "float16", "float32"]
+ChunkSize = Literal[32, 64]
+HeadDim = Literal[64, 128, 256]
+_BETA_OF_KEY: dict[str, BetaMode] = {"beta": "given", "sig": "sigmoid", "sig2": "sigmoid2"}
+_DTYPE_OF_KEY: dict[str, DtypeName] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 class CaseClass(BaseModel):
-    """The class of calls that one verification record covers (DESIGN section 4).
+    """The class of calls that one verification record covers ("Case classes" in `docs/design.md`).
 
     Two calls in the same class exercise the same code paths of any backend: same gate mode, in-kernel
     flags, dtype, layout features, chunk size, head-dimension bucket and need for gradients. Sizes
@@ -87,15 +109,15 @@ class CaseClass(BaseModel):
 
     gate: GateMode
     qk_l2norm: bool
-    beta: Literal["given", "sigmoid", "sigmoid2"]
-    dtype: Literal["bfloat16", "float16", "float32"]
+    beta: BetaMode
+    dtype: DtypeName
     varlen: bool
     gva: bool
     initial_state: bool
     final_state: bool
     state_v_first: bool  # normalised to False when the call has no state at all
-    chunk_size: Literal[32, 64]
-    head_dim: Literal[64, 128, 256]  # bucket of max(K, V)
+    chunk_size: ChunkSize
+    head_dim: HeadDim  # bucket of max(K, V)
     training: bool
 
     @property
@@ -130,22 +152,23 @@ class CaseClass(BaseModel):
             return cls(
                 gate=GateMode(gate),
                 qk_l2norm=qk == "l2",
-                beta={"beta": "given", "sig": "sigmoid", "sig2": "sigmoid2"}[beta],
-                dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+                beta=_BETA_OF_KEY[beta],
+                dtype=_DTYPE_OF_KEY[dtype],
                 varlen=layout == "varlen",
                 gva=heads == "gva",
                 initial_state="h0" in states,
                 final_state="ht" in states,
                 state_v_first=state_v_first,
-                chunk_size=int(chunk.removeprefix("c")),
-                head_dim=int(dim.removeprefix("d")),
+                # pydantic checks these are one of the allowed sizes (a ValueError if not)
+                chunk_size=cast(ChunkSize, int(chunk.removeprefix("c"))),
+                head_dim=cast(HeadDim, int(dim.removeprefix("d"))),
                 training=mode == "train",
             )
         except (ValueError, KeyError) as error:
             raise ValueError(f"not a case-class key: {key!r}") from error
 
 
-def head_dim_bucket(dim: int) -> Literal[64, 128, 256]:
+def head_dim_bucket(dim: int) -> HeadDim:
     """The smallest of 64, 128, 256 that holds `dim` (kernels tile head dimensions by these)."""
     return 64 if dim <= 64 else 128 if dim <= 128 else 256
 
@@ -193,60 +216,31 @@ class KDASpec(BaseModel):
 
     # ------------------------------------------------------------------ building from a call
     @classmethod
-    def from_call(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        *,
-        scale: float | None = None,
-        initial_state: torch.Tensor | None = None,
-        output_final_state: bool = False,
-        use_qk_l2norm_in_kernel: bool = False,
-        use_gate_in_kernel: bool = False,
-        use_beta_sigmoid_in_kernel: bool = False,
-        allow_neg_eigval: bool = False,
-        safe_gate: bool = False,
-        lower_bound: float | None = None,
-        state_v_first: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
-        cu_seqlens_cpu: torch.Tensor | None = None,
-        A_log: torch.Tensor | None = None,
-        dt_bias: torch.Tensor | None = None,
-        chunk_size: int = 64,
-        disable_recompute: bool = False,
-        requires_grad: bool | None = None,
-    ) -> KDASpec:
-        """Describe a call. Reads no tensor data except a host-resident `cu_seqlens` (no device sync)."""
-        named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-        optional = {
-            "A_log": A_log,
-            "dt_bias": dt_bias,
-            "initial_state": initial_state,
-            "cu_seqlens": cu_seqlens,
-            "cu_seqlens_cpu": cu_seqlens_cpu,
-        }
-        for name, tensor in {**named, **optional}.items():
+    def from_call(cls, *args: Any, requires_grad: bool | None = None, **kwargs: Any) -> KDASpec:
+        """Describe a call from `chunk_kda`'s arguments (the fields of `kda.options.KDAArguments`, by
+        position or by name; ``backend`` is not one). See `from_args`."""
+        return cls.from_args(KDAArguments(*args, **kwargs), requires_grad=requires_grad)
+
+    @classmethod
+    def from_args(cls, args: KDAArguments, requires_grad: bool | None = None) -> KDASpec:
+        """Describe a call. Reads no tensor data except a host-resident `cu_seqlens` (no device sync).
+
+        `requires_grad` None means: gradients are needed when autograd is on and any differentiable input
+        requires them. Raises `KDAInputError` on any broken rule, FLA options kda does not implement first.
+        """
+        args.check_fla_only()
+        tensors: tuple[torch.Tensor | None, ...] = tensors_of(args)
+        for name, tensor in zip(TENSORS, tensors):
             if tensor is not None and not isinstance(tensor, torch.Tensor):
                 raise KDAInputError(name, "must be a torch.Tensor", type(tensor).__name__)
-        for name, flag in {
-            "output_final_state": output_final_state,
-            "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
-            "use_gate_in_kernel": use_gate_in_kernel,
-            "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
-            "allow_neg_eigval": allow_neg_eigval,
-            "safe_gate": safe_gate,
-            "state_v_first": state_v_first,
-        }.items():
+        for name, flag in zip(FLAGS, flags_of(args)):
             if not isinstance(flag, bool):
                 raise KDAInputError(name, "must be a bool", repr(flag))
-        if not isinstance(disable_recompute, bool):
-            raise KDAInputError("disable_recompute", "must be a bool", repr(disable_recompute))
+        chunk_size = args.chunk_size
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise KDAInputError("chunk_size", "must be an int, 32 or 64", repr(chunk_size))
-        for name, number in (("scale", scale), ("lower_bound", lower_bound)):
+        for name in NUMBERS:
+            number = getattr(args, name)
             if number is None:
                 continue
             if isinstance(number, bool) or not isinstance(number, (int, float)):
@@ -257,69 +251,38 @@ class KDASpec(BaseModel):
                 raise KDAInputError(name, "must be a finite number", repr(number)) from None
 
         # Host values of cu_seqlens, read only when that costs no device sync. When both copies are on
-        # the host they must agree (checked in the rules below through `cu_seqlens_values_other`).
-        values: tuple[int, ...] | None = None
-        other: tuple[int, ...] | None = None
-
-        def host_values(t: torch.Tensor | None) -> tuple[int, ...] | None:
-            if (
-                t is None
-                or t.device.type != "cpu"
-                or t.dim() != 1
-                or str(t.dtype).removeprefix("torch.") not in INDEX_DTYPES
-            ):
-                return None
-            return tuple(int(x) for x in t.tolist())
-
-        values = host_values(cu_seqlens_cpu) if cu_seqlens_cpu is not None else host_values(cu_seqlens)
-        if cu_seqlens_cpu is not None:
-            other = host_values(cu_seqlens)
+        # the host they must agree (checked in the rules below through `cu_seqlens_values_device`).
+        q, cu_seqlens, cu_seqlens_cpu = args.q, args.cu_seqlens, args.cu_seqlens_cpu
+        values = _host_values(cu_seqlens_cpu) if cu_seqlens_cpu is not None else _host_values(cu_seqlens)
+        other = _host_values(cu_seqlens) if cu_seqlens_cpu is not None else None
 
         if requires_grad is None:
-            differentiable = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-            requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+            requires_grad = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in _differentiable_of(args)
+            )
+        requires_grad = bool(requires_grad)
+        scale = args.scale
         if scale is None:
             scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else 1.0
+        scale = float(scale)
 
         # A call shaped like an earlier valid one gets that call's spec back without re-running the
-        # checks: every rule depends only on what this key holds. (Saves ~40 us of the ~100 us per call.)
+        # checks: every rule depends only on what this key holds (the options as given, and the scale
+        # they resolve to). Saves ~40 us of the ~100 us per call.
+        chosen: tuple[Any, ...] = options_of(args)
         memo_key = (
-            tuple(None if t is None else (t.shape, t.dtype, t.device) for t in (*named.values(), *optional.values())),
+            tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors),
             values,
             other,
-            float(scale),
-            output_final_state,
-            use_qk_l2norm_in_kernel,
-            use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel,
-            allow_neg_eigval,
-            safe_gate,
-            lower_bound,
-            state_v_first,
-            chunk_size,
-            bool(requires_grad),
-            disable_recompute,
+            requires_grad,
+            scale,
+            chosen,
         )
         cached = _spec_memo.get(memo_key)
         if cached is not None:
             return cached
         spec = cls._build(
-            named,
-            optional,
-            values,
-            other,
-            scale,
-            output_final_state,
-            use_qk_l2norm_in_kernel,
-            use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel,
-            allow_neg_eigval,
-            safe_gate,
-            lower_bound,
-            state_v_first,
-            chunk_size,
-            requires_grad,
-            disable_recompute,
+            dict(zip(TENSORS, tensors)), values, other, {**dict(zip(OPTIONS, chosen)), "scale": scale}, requires_grad
         )
         if len(_spec_memo) >= _SPEC_MEMO_LIMIT:
             _spec_memo.clear()
@@ -329,40 +292,19 @@ class KDASpec(BaseModel):
     @classmethod
     def _build(
         cls,
-        named,
-        optional,
-        values,
-        other,
-        scale,
-        output_final_state,
-        use_qk_l2norm_in_kernel,
-        use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-        safe_gate,
-        lower_bound,
-        state_v_first,
-        chunk_size,
-        requires_grad,
-        disable_recompute,
+        tensors: dict[str, torch.Tensor | None],
+        values: tuple[int, ...] | None,
+        other: tuple[int, ...] | None,
+        options: dict[str, Any],
+        requires_grad: bool,
     ) -> KDASpec:
+        lower_bound = options["lower_bound"]
         return cls(
-            **{name: TensorInfo.of(t) for name, t in named.items()},
-            **{name: (None if t is None else TensorInfo.of(t)) for name, t in optional.items()},
+            **{name: (None if t is None else TensorInfo.of(t)) for name, t in tensors.items()},
             cu_seqlens_values=values,
             cu_seqlens_values_device=other,
-            scale=float(scale),
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate,
-            lower_bound=None if lower_bound is None else float(lower_bound),
-            state_v_first=state_v_first,
-            chunk_size=chunk_size,
-            requires_grad=bool(requires_grad),
-            disable_recompute=bool(disable_recompute),
+            **{**options, "lower_bound": None if lower_bound is None else float(lower_bound)},
+            requires_grad=requires_grad,
         )
 
     # ------------------------------------------------------------------ the rules
@@ -625,6 +567,13 @@ class KDASpec(BaseModel):
         return f"{shape} {self.q.device} :: {self.case_class.key}"
 
 
+def _host_values(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The values of a host-resident 1-D index tensor, or None when reading them would need a sync."""
+    if t is None or t.device.type != "cpu" or t.dim() != 1 or str(t.dtype).removeprefix("torch.") not in INDEX_DTYPES:
+        return None
+    return tuple(int(x) for x in t.tolist())
+
+
 def _combined(errors: list[KDAInputError]) -> KDAInputError:
     first, rest = errors[0], errors[1:]
     return KDAInputError(first.argument, first.rule, first.got, more=rest)
@@ -645,3 +594,4 @@ def _as_input_error(error: ValidationError) -> KDAInputError:
 
 
 _spec_memo: dict[tuple, KDASpec] = {}
+_differentiable_of = operator.attrgetter(*DIFFERENTIABLE)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kda
+from kda import api, options
 from kda.backends.torch import TorchBackend
 from kda.verify import relative_error
 from kda.verify.check import is_verifying as in_verification
@@ -126,6 +127,59 @@ def test_signature_is_fla_compatible():
     assert {"backend", "A_log", "dt_bias", "chunk_size"} <= set(keyword_only)
     assert keyword_only["backend"] == "auto" and keyword_only["A_log"] is None and keyword_only["dt_bias"] is None
     assert keyword_only["chunk_size"] == 64
+
+
+def test_signature_agrees_with_the_one_declaration():
+    """chunk_kda restates the argument list of `kda.options.KDAArguments` explicitly (for IDEs and help());
+    this holds the two together: same names, order, kinds and defaults, plus ``backend`` and ``**kwargs``."""
+    params = inspect.signature(kda.chunk_kda).parameters
+    declared = inspect.signature(options.KDAArguments).parameters
+    own = {name: p for name, p in params.items() if name not in ("backend", "kwargs")}
+    assert list(own) == list(declared) == list(options.NAMES)
+    for name, p in own.items():
+        d = declared[name]
+        assert p.kind is d.kind, name
+        assert p.default is d.default or (type(p.default) is type(d.default) and p.default == d.default), name
+        assert p.annotation == d.annotation, name
+    assert params["backend"].kind is inspect.Parameter.KEYWORD_ONLY and params["backend"].default == "auto"
+    assert params["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    assert [name for name, _ in FLA_POSITIONAL] == [n for n in options.NAMES if n not in options.KEYWORD_ONLY]
+    # every parameter is documented
+    doc = inspect.getdoc(kda.chunk_kda) or ""
+    args_section = doc.split("Args:", 1)[1].split("Returns:", 1)[0]
+    for name in params:
+        label = "**kwargs" if name == "kwargs" else name
+        assert f"\n    {label}: " in args_section, f"{name} is not documented"
+
+
+def test_explain_and_the_reference_take_the_same_arguments():
+    assert inspect.signature(kda.explain).parameters == inspect.signature(kda.chunk_kda).parameters
+    reference = inspect.signature(kda.kda_reference).parameters
+    assert list(reference) == [*options.NAMES, "compute_dtype"]
+    assert all(reference[n].default == options.DEFAULTS.get(n, _EMPTY) for n in options.NAMES)
+
+
+def test_every_argument_is_passed_on(monkeypatch):
+    """Each of chunk_kda's parameters (by position, or by keyword for the keyword-only ones) arrives in
+    the `KDAArguments` it hands on, under its own name."""
+    seen: list[options.KDAArguments] = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(args, extra):
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(api, "_prepare", capture)
+    sentinels = {name: object() for name in options.NAMES}
+    positional = [sentinels[n] for n in options.NAMES if n not in options.KEYWORD_ONLY]
+    keyword = {n: sentinels[n] for n in options.KEYWORD_ONLY}
+    for function in (kda.chunk_kda, kda.explain):
+        seen.clear()
+        with pytest.raises(Stop):
+            function(*positional, **keyword)
+        assert {n: getattr(seen[0], n) for n in options.NAMES} == sentinels
 
 
 def test_all_fla_arguments_by_position(seed):

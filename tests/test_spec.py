@@ -6,6 +6,7 @@ test fails when the wrong rule fires. Tensors are tiny, random (never all zeros)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kda import options
+from kda import spec as spec_module
 from kda.errors import KDAInputError
 from kda.spec import CaseClass, GateMode, KDASpec, head_dim_bucket
 
@@ -1165,3 +1168,71 @@ def test_a_repeated_call_reuses_its_validated_spec_and_bad_calls_always_raise():
     assert other_batch.cu_seqlens_values == (0, 5, 8) and other_batch.routing_key == spec.routing_key
     with pytest.raises(_kda.KDAInputError, match="cu_seqlens"):
         _kda.KDASpec.from_call(**call(cu_seqlens=_torch.tensor([0, 9, 8])))
+
+
+def test_every_option_reaches_the_spec_and_its_memo_key():
+    """Each option of the declaration, set to a valid non-default value, gives the spec a fresh build
+    would: none is left out of the memo key (which would hand back an earlier call's spec)."""
+    HV, K = 2, 4
+    base = make(B=1, T=6, H=1, HV=HV, K=K, V=K)
+    gate = {"use_gate_in_kernel": True, "A_log": rnd(HV)}
+    safe = {"use_gate_in_kernel": True, "safe_gate": True, "lower_bound": -1.0}
+    variants: list[dict[str, Any]] = [
+        {},
+        {"scale": 0.3},
+        {"output_final_state": True},
+        {"use_qk_l2norm_in_kernel": True},
+        gate,
+        {**gate, "dt_bias": rnd(HV * K)},
+        {"use_beta_sigmoid_in_kernel": True},
+        {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True},
+        safe,
+        {**safe, "lower_bound": -2.0},
+        {"disable_recompute": True},
+        {"state_v_first": True, "output_final_state": True},
+        {"chunk_size": 32},
+        {"initial_state": torch.randn(1, HV, K, K)},
+        {"cu_seqlens": torch.tensor([0, 2, 6])},
+        {"cu_seqlens": torch.tensor([0, 4, 6]), "cu_seqlens_cpu": torch.tensor([0, 4, 6])},
+    ]
+    covered = {name for variant in variants for name in variant}
+    assert set(options.OPTIONS) <= covered, "a new option needs a variant here"
+    assert set(options.TENSORS) - {"q", "k", "v", "g", "beta"} <= covered
+
+    spec_module._spec_memo.clear()
+    warm = [KDASpec.from_call(**base, **variant) for variant in variants]
+    assert len({s.model_dump_json() for s in warm}) == len(variants)  # all different
+    for variant, first in zip(variants, warm):
+        assert KDASpec.from_call(**base, **variant) is first  # the memo served it
+        for name, value in variant.items():
+            if name in options.OPTIONS:
+                assert getattr(first, name) == value, name
+    for variant, first in zip(variants, warm):
+        spec_module._spec_memo.clear()
+        assert KDASpec.from_call(**base, **variant) == first  # what a fresh build gives
+    # from_call takes the declaration's arguments, by name and by position
+    args = options.KDAArguments(**base, scale=0.5)
+    assert KDASpec.from_args(args) == KDASpec.from_call(*(getattr(args, n) for n in options.NAMES[:6]))
+    assert dataclasses.replace(args, chunk_size=32) != args
+
+
+def test_spec_defaults_agree_with_the_declaration():
+    for name in options.OPTIONS:
+        field = KDASpec.model_fields[name]
+        if name == "scale":  # the spec holds the resolved scale: K ** -0.5 when the call passed None
+            assert field.is_required()
+            continue
+        assert field.default == options.DEFAULTS[name], name
+    for name in options.TENSORS:
+        assert KDASpec.model_fields[name].is_required() is (name in options.REQUIRED), name
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("return_intermediate_states", True), ("cp_context", object()), ("use_graph", True), ("max_num_seqs", 4)],
+)
+def test_from_call_refuses_the_fla_only_options(name, value):
+    with pytest.raises(KDAInputError) as info:
+        KDASpec.from_call(**make(), **{name: value})
+    assert info.value.argument == name and "not supported" in info.value.rule
+    KDASpec.from_call(**make(), **{name: options.FLA_ONLY[name]})  # the default is accepted

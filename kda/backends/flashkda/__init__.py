@@ -102,6 +102,8 @@ class FlashKDABackend(Backend):
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
         fwd = _flash_kda().fwd
+        lower_bound = spec.lower_bound
+        assert lower_bound is not None  # supports() admits the safe gate only, which has one
         H, K = spec.H, spec.K
         device = spec.device
         # q, k, v, g: [B, T, H, 128] bf16; beta: [B, T, H] bf16 logits
@@ -121,17 +123,11 @@ class FlashKDABackend(Backend):
             h0 = h0.contiguous() if spec.state_v_first else h0.transpose(-1, -2).contiguous()
         final_v_first = None
         if spec.output_final_state:
-            reuse = (
-                out is not None
-                and out.final_state is not None
-                and spec.state_v_first
-                and out.final_state.is_contiguous()
-            )
-            final_v_first = (
-                out.final_state
-                if reuse
-                else torch.empty(spec.num_seqs, H, spec.V, K, dtype=torch.float32, device=device)
-            )
+            given = None if out is None else out.final_state
+            if given is not None and spec.state_v_first and given.is_contiguous():
+                final_v_first = given
+            else:
+                final_v_first = torch.empty(spec.num_seqs, H, spec.V, K, dtype=torch.float32, device=device)
 
         cu_seqlens = inputs.cu_seqlens
         if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
@@ -147,7 +143,7 @@ class FlashKDABackend(Backend):
             o,
             A_log=A_log.contiguous(),
             dt_bias=dt_bias.contiguous(),
-            lower_bound=float(spec.lower_bound),
+            lower_bound=float(lower_bound),
             initial_state=h0,
             final_state=final_v_first,
             cu_seqlens=cu_seqlens,

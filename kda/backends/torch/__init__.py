@@ -23,7 +23,9 @@ from kda.reference import beta_transform, l2norm, log_decay
 from kda.spec import KDASpec, cu_seqlens_violation
 
 
-def torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype = torch.float32):
+def torch_kda(
+    inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA for one validated call, differentiable through torch ops.
 
     Returns ``o [B, T, HV, V]`` in `compute_dtype` and the final state in the call's layout (or None).
@@ -34,12 +36,17 @@ def torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype = tor
         return _torch_kda(inputs, spec, compute_dtype)
 
 
-def _torch_kda(inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype):
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+def _torch_kda(
+    inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(compute_dtype)
+
+    def cast_optional(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(compute_dtype)
 
-    q, k, v, g, beta = map(cast, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
-    A_log, dt_bias, h0 = map(cast, (inputs.A_log, inputs.dt_bias, inputs.initial_state))
+    q, k, v, g, beta = (cast(t) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+    A_log, dt_bias, h0 = (cast_optional(t) for t in (inputs.A_log, inputs.dt_bias, inputs.initial_state))
 
     if spec.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
@@ -125,11 +132,25 @@ class TorchBackend(Backend):
     def backward(
         self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None
     ) -> KDAGradients:
-        leaves = {
-            name: (None if t is None else t.detach().requires_grad_(True))
-            for name, t in inputs.differentiable().items()
-        }
-        replay = KDAInputs(**leaves, cu_seqlens=inputs.cu_seqlens, cu_seqlens_cpu=inputs.cu_seqlens_cpu)
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().requires_grad_(True)
+
+        def leaf_optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else leaf(t)
+
+        replay = KDAInputs(
+            q=leaf(inputs.q),
+            k=leaf(inputs.k),
+            v=leaf(inputs.v),
+            g=leaf(inputs.g),
+            beta=leaf(inputs.beta),
+            A_log=leaf_optional(inputs.A_log),
+            dt_bias=leaf_optional(inputs.dt_bias),
+            initial_state=leaf_optional(inputs.initial_state),
+            cu_seqlens=inputs.cu_seqlens,
+            cu_seqlens_cpu=inputs.cu_seqlens_cpu,
+        )
+        leaves = replay.differentiable()
         with torch.enable_grad():
             o, state = torch_kda(replay, spec)
         outputs, upstream = [o], [do.to(o.dtype)]
@@ -138,12 +159,15 @@ class TorchBackend(Backend):
             upstream.append(dfinal_state.to(state.dtype))
         wanted = [t for t in leaves.values() if t is not None]
         grads = iter(torch.autograd.grad(outputs, wanted, upstream, allow_unused=True))
-        result = {}
-        for name, leaf in leaves.items():
-            grad = None if leaf is None else next(grads)
-            if leaf is not None and grad is None:
-                grad = torch.zeros_like(leaf)  # e.g. dinitial_state of an empty sequence path
-            result[name] = None if grad is None else grad.to(leaf.dtype)
+        result: dict[str, torch.Tensor | None] = {}
+        for name, input_leaf in leaves.items():
+            if input_leaf is None:
+                result[name] = None
+                continue
+            grad = next(grads)
+            if grad is None:
+                grad = torch.zeros_like(input_leaf)  # e.g. dinitial_state of an empty sequence path
+            result[name] = grad.to(input_leaf.dtype)
         return KDAGradients(
             dq=result["q"],
             dk=result["k"],

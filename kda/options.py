@@ -1,7 +1,7 @@
 """`KDAArguments`: the argument list of a `chunk_kda` call, declared once.
 
 The names, order and defaults of `fla.ops.kda.chunk_kda` 0.6's arguments, followed by kda's keyword-only
-additions (``A_log``, ``dt_bias``, ``chunk_size``), are the fields of one frozen dataclass. Everything
+additions (``A_log``, ``dt_bias``, ``chunk_size``), are the fields of one dataclass. Everything
 that takes a call's arguments reads them from here: `KDASpec.from_call` (its keywords, its memo key and
 the spec it builds), `kda.reference.kda_reference`, and the test that holds `kda.chunk_kda`'s explicit
 signature to this one. ``backend`` is not a field: it chooses who computes a call, not what is computed.

@@ -11,7 +11,7 @@ import torch
 # Triton decides when it is imported whether its own library runs compiled or in its CPU interpreter, so
 # on a machine without a GPU the interpreter is switched on here, before anything imports Triton. Each
 # test then sees it off (the triton backend unavailable, as on any CPU) unless it asks for it through
-# the `interpreter` fixture of tests/test_triton_backend.py.
+# the `interpreter` fixture of tests/backends/triton/test_triton_backend.py.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

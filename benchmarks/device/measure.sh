@@ -5,6 +5,7 @@
 #
 # Targets (each writes $OUT/<target>/ and the machine's versions to $OUT/env.txt):
 #   verify       python -m kda.verify --all --with-bench-classes over VERIFY_JOBS processes -> verify.json
+#                (at most VERIFY_S seconds of the deadline when set)
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
@@ -38,7 +39,7 @@ fi
   echo "cpus: $(nproc)"
   python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
   python3 -m pip list 2>/dev/null | grep -i -E "^(fla-core|tokenspeed-flashkda|helion|tilelang|pydantic) "
-  git log -1 --format="kda commit: %H" 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  python3 -c "import kda; print(\"kda\", kda.__version__)"; } > "$OUT/env.txt" 2>&1
 
 shape_args() { for shape in "$@"; do printf -- '--shape %s ' "$shape"; done; }
 bench() {  # NAME RESERVE [kda.bench arguments]
@@ -52,7 +53,8 @@ for target in "$@"; do
   case "$target" in
   verify)
     mkdir -p "$OUT/verify"
-    timeout "$(left 20)" python3 -m kda.verify --all --with-bench-classes --jobs "${VERIFY_JOBS:-12}" \
+    limit=$(left 20); [ -n "${VERIFY_S:-}" ] && [ "$VERIFY_S" -lt "$limit" ] && limit=$VERIFY_S
+    timeout "$limit" python3 -m kda.verify --all --with-bench-classes --jobs "${VERIFY_JOBS:-12}" \
       --work-dir /tmp/verify-workers --json "$OUT/verify/verify.json" > "$OUT/verify/table.txt" 2> "$OUT/verify/log.txt"
     echo "verify: exit $?"; tail -n 3 "$OUT/verify/table.txt"; grep -E "FAIL|fail " "$OUT/verify/table.txt" | head -20
     ;;

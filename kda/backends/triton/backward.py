@@ -1,4 +1,4 @@
-"""The backward pass: the host wrapper (see `tests/backward_math.py` for the formulas, checked against
+"""The backward pass: the host wrapper (see `tests/backends/triton/backward_math.py` for the formulas, checked against
 autograd in float64).
 
 Two launches and the tails:

@@ -16,7 +16,7 @@ The sum is formed 16 rows at a time, each sub-chunk's scan added to the carried 
 the sub-chunk's row before). One scan over the whole chunk rounds at the magnitude of ``G`` at every level
 of the scan tree; here the in-sub-chunk partial sums stay small and only the carry's addition rounds at
 that magnitude. With a saturated softplus gate (``G`` down to -950 in a chunk of 64, ulp 6e-5) that took
-``dA_log`` from 6.5e-3 to 2.2e-4 of the float64 reference (fp32 tolerance 1e-3; `tests/test_triton_backend.py`).
+``dA_log`` from 6.5e-3 to 2.2e-4 of the float64 reference (fp32 tolerance 1e-3; `tests/backends/triton/test_triton_backend.py`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from kda.verify import cli
 from kda.verify.cases import full_grid
 from kda.verify.records import RecordStore, default_store, fingerprint, fingerprint_id
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHEAP = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd"
 CHEAP_2 = "softplus/l2/sig/fp32/dense/gva/h0+ht/c32/d64/fwd"
 JSON_KEYS = {"kda", "device", "quick", "passed", "fingerprints", "unavailable", "results"}
@@ -288,7 +288,7 @@ def test_cli_as_subprocess(tmp_path):
 def test_cli_jobs_spread_classes_over_processes_and_merge(tmp_path, capsys, monkeypatch):
     """--jobs runs the classes in child processes (records land in the shared store) and reports them all."""
     monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
     )
     out_json = tmp_path / "report.json"
     code = cli.main(

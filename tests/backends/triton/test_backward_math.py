@@ -1,4 +1,4 @@
-"""The chunked backward derivation (tests/backward_math.py) against autograd of the naive
+"""The chunked backward derivation (tests/backends/triton/backward_math.py) against autograd of the naive
 recurrence, in float64: the formulas the Triton backward kernels implement; and the log decay's gradient
 in fp32 with saturated gates, where the form of the sum decides the accuracy of dA_log."""
 

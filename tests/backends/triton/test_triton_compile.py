@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="Triton is not installed (extra `triton`)")
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-m", "kda.backends.triton.aot", "--capability", "9", "--dims", "64x32,128x64,256x64"],
         capture_output=True,

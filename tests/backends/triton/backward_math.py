@@ -1,5 +1,5 @@
 """The chunked backward of KDA, written out in torch (float64-capable): the derivation the Triton backward
-kernels implement, checked against autograd of the reference (tests/test_backward_math.py).
+kernels implement, checked against autograd of the reference (tests/backends/triton/test_backward_math.py).
 
 One sequence, one value head, per chunk (rows ``R``), with the forward's quantities::
 

@@ -105,7 +105,7 @@ def write_json_atomic(path: Path, payload: Any, default: Callable[[Any], Any] | 
         raise
 
 
-def read_json(path: Path) -> Any | None:
+def read_json(path: Path) -> Any:
     """The parsed contents of `path`, or None when it is missing, unreadable or not JSON."""
     try:
         return json.loads(path.read_text())

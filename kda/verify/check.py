@@ -176,7 +176,8 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))
 
     ref_out, ref_grads = _reference(kwargs, upstream, cc.training)
-    inputs = KDAInputs(**{n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs})
+    fields: dict[str, Any] = {n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs}
+    inputs = KDAInputs(**fields)
     snapshot = {name: t.clone() for name, t in kwargs.items() if isinstance(t, torch.Tensor)}
     result = CaseResult(case, passed=False)
     try:

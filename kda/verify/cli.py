@@ -155,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("case class")
     for backend in runnable:
         table.add_column(f"{backend.name} v{backend.version}")
-    missing = {"status": "fail", "worst_ratio": None, "reason": "no result (worker failed)", "cases": []}
+    missing: dict[str, Any] = {
+        "status": "fail",
+        "worst_ratio": None,
+        "reason": "no result (worker failed)",
+        "cases": [],
+    }
     for cc in classes:
         table.add_row(cc.key, *[_cell(by_key.get((b.name, cc.key), missing)) for b in runnable])
     out.print(table)

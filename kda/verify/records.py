@@ -147,7 +147,7 @@ class RecordStore:
             if memo is not None and memo[0] == stamp:
                 return dict(memo[1])
         try:
-            entries = disk.read_json(path)["records"].items()  # type: ignore[index]
+            entries = disk.read_json(path)["records"].items()
         except (KeyError, TypeError, AttributeError):
             entries = []  # corrupt or foreign: no records, never a crash
         records = {}

@@ -23,7 +23,7 @@ def verify_mode() -> VerifyMode:
     value = os.environ.get("KDA_VERIFY", "lazy").strip().lower() or "lazy"
     if value not in VERIFY_MODES:
         raise KDAError(f"KDA_VERIFY must be one of {', '.join(VERIFY_MODES)}; got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def cache_dir() -> Path:

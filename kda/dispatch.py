@@ -6,7 +6,7 @@ in this order, stopping at the first no:
 1. **available**: can it run on this machine at all (cached per process);
 2. **supports**: does it implement this call;
 3. **gradients**: a forward-only backend serves only calls that need no gradient;
-4. **verified**: has it passed verification for this case class on this machine (DESIGN section 4)?
+4. **verified**: has it passed verification for this case class on this machine (see docs/design.md)?
    With ``KDA_VERIFY=lazy`` (default) a missing record triggers a quick verification, once; ``strict``
    requires a record made by ``python -m kda.verify``; ``off`` trusts every backend, with a warning.
 
@@ -35,6 +35,8 @@ from kda import config, registry, timings
 from kda.backends.base import Backend, Verdict
 from kda.errors import BackendSelectionError
 from kda.spec import KDASpec
+from kda.verify.check import verify_class
+from kda.verify.records import default_store
 
 logger = logging.getLogger("kda")
 
@@ -122,9 +124,6 @@ _verify_locks_guard = threading.Lock()
 def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
     """Has `backend` passed verification for this call's case class on this device?"""
     global _warned_off
-    from kda.verify.check import verify_class
-    from kda.verify.records import default_store
-
     key = spec.case_class.key
     if mode == "off":
         if not _warned_off:
@@ -207,8 +206,6 @@ _CACHE_LIMIT = 4096
 
 
 def _cache_key(spec: KDASpec, request: Request) -> tuple:
-    from kda.verify.records import default_store
-
     names = _requested(request)
     store = default_store()
     return (

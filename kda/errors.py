@@ -10,7 +10,7 @@ class KDAError(Exception):
 
 
 class KDAInputError(KDAError, ValueError):
-    """A call broke a rule of the contract (DESIGN sections 1-2).
+    """A call broke a rule of the contract (see docs/design.md).
 
     Raised before any kernel runs. ``argument`` is the offending argument, ``rule`` the rule it broke
     and ``got`` the value it had, so that programs can react and people can read the message.

@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import TypeVar
 
-from kda.backends.base import Backend, Verdict
+from kda.backends.base import Backend, ForwardResult, KDAInputs, KDAOutputs, Verdict
 from kda.spec import KDASpec
 
 logger = logging.getLogger("kda")
@@ -48,7 +48,9 @@ class _BrokenEntryPoint(Backend):
     def supports(self, spec: KDASpec) -> Verdict:
         return Verdict.no(f"entry point failed to load: {self.error}")
 
-    def forward(self, inputs, spec, out=None):  # pragma: no cover - never dispatched
+    def forward(  # pragma: no cover - never dispatched
+        self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None
+    ) -> ForwardResult:
         raise RuntimeError(self.error)
 
 

@@ -1,4 +1,4 @@
-"""Measured timings that rank verified backends for `auto` (DESIGN section 3).
+"""Measured timings that rank verified backends for `auto` (see docs/design.md).
 
 `python -m kda.bench --tune` times every verified backend at each bench shape and stores the medians
 here, per GPU, beside the verification records (``<KDA_CACHE_DIR>/timings/<gpu>.json``). The dispatcher
@@ -19,12 +19,8 @@ changed is ignored too. An unreadable or malformed table counts as no table: it 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import math
-import os
-import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kda import config
+from kda import store as disk
 from kda._version import __version__
 from kda.spec import KDASpec, head_dim_bucket
 
@@ -140,15 +136,11 @@ class Ranking:
 
 
 def device_key(device: torch.device) -> dict[str, str | None]:
-    from kda.verify.records import device_identity
-
-    return device_identity(device)
+    return disk.device_identity(device)
 
 
 def table_fingerprint(device: torch.device) -> dict[str, Any]:
-    from kda.verify.records import package_versions
-
-    versions = package_versions()
+    versions = disk.package_versions()
     return {"kda": __version__, **device_key(device), "packages": {p: versions.get(p) for p in _TIMING_PACKAGES}}
 
 
@@ -182,7 +174,7 @@ class TimingTable:
 
 
 def _path_for(device: torch.device) -> Path:
-    return _path_in(config.cache_dir(), str(device))
+    return _path_in(disk.cache_root(), str(device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,12 +186,12 @@ def _path_in(root: Path, device: str) -> Path:
 
 
 def _parse(path: Path, expected: dict[str, Any]) -> TimingTable | None:
+    data = disk.read_json(path)
     try:
-        data = json.loads(path.read_text())
         if data["fingerprint"] != expected:
             return None  # made with other versions or on another GPU: stale
         entries = [TimingEntry.from_json(e) for e in data["entries"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return TimingTable(path, expected, entries)
 
@@ -234,7 +226,7 @@ def stamp(device: torch.device | str, root: Path | None = None) -> int | None:
     cache directory when the caller has just read it (`auto` does on every call; reading the environment
     again costs a few microseconds)."""
     try:
-        return _path_in(root if root is not None else config.cache_dir(), str(device)).stat().st_mtime_ns
+        return _path_in(root if root is not None else disk.cache_root(), str(device)).stat().st_mtime_ns
     except OSError:
         return None
 
@@ -242,26 +234,16 @@ def stamp(device: torch.device | str, root: Path | None = None) -> int | None:
 def record(device: torch.device | str, shape: str, point: ShapePoint, timings: dict[str, Measurement]) -> Path:
     """Merge timings measured at one shape into the table for `device` (made fresh if stale or absent).
     Safe against concurrent writers (lock file, re-read, atomic replace)."""
-    from kda.verify.records import _file_lock
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     path = _path_for(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     expected = table_fingerprint(device)
-    with _file_lock(path.with_suffix(".lock")):
+    with disk.file_lock(path.with_suffix(".lock")):
         table = _parse(path, expected) or TimingTable(path, expected)
         table.record(shape, point, timings)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(table.as_json(), handle, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        disk.write_json_atomic(path, table.as_json())
     return path
 
 

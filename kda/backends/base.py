@@ -10,12 +10,18 @@ error messages can say why it was or was not used:
 Then `forward` computes ``(o, final_state)`` and, for backends that train, `backward` computes every
 gradient from what `forward` saved. Bump `version` whenever the numbers a backend produces can
 change: it is part of the verification fingerprint, so a new version starts unverified.
+
+A backend never knows who calls it, with one hook: the verifier (`kda.verify.check`) runs every case of a
+backend inside `verification_scope()`, a context manager that does nothing by default. A backend may
+override it to change how it runs, never what it computes, while being verified (the `fla` backend pins
+FLA's autotuners there, since autotuning dozens of tiny verification shapes costs minutes and buys nothing).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -172,6 +178,14 @@ class Backend(abc.ABC):
     def fingerprint_extras(self) -> dict[str, str]:
         """Anything beyond the standard fingerprint that can change this backend's numbers."""
         return {}
+
+    @contextlib.contextmanager
+    def verification_scope(self) -> Iterator[None]:
+        """Entered by the verifier around each case it runs on this backend; does nothing by default.
+
+        Override it to run differently while verified (say, skip autotuning); the numbers must not change.
+        """
+        yield
 
     def info(self) -> BackendInfo:
         return BackendInfo(

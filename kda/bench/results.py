@@ -22,7 +22,7 @@ from rich.table import Table
 
 from kda._version import __version__
 from kda.bench.runner import Row
-from kda.verify.records import package_versions
+from kda.store import package_versions
 
 
 def gpu_info(device: torch.device) -> dict[str, Any]:

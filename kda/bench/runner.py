@@ -253,7 +253,8 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
         for row in timed[shift:] + timed[:shift]:
             if row.status != "ok":
                 continue
-            if _measure_once(row, calls[row.backend], timer, device, config.warmup_ms, config.rep_ms):
+            measured = _measure_once(row, calls[row.backend], timer, device, config.warmup_ms, config.rep_ms)
+            if measured and row.median_ms is not None:
                 samples[row.backend].append(row.median_ms)
     for row in timed:
         if row.status == "ok" and samples[row.backend]:

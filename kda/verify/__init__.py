@@ -1,4 +1,4 @@
-"""Verification: backends against the float64 reference (DESIGN section 4).
+"""Verification: backends against the float64 reference (see docs/design.md).
 
 `cases` draws the inputs, `check` runs and compares one case or case class, `records` keeps the
 outcomes under a fingerprint of everything that can change the numbers, `cli` is ``python -m kda.verify``.

@@ -184,8 +184,8 @@ def full_grid() -> list[CaseClass]:
     """The case classes `python -m kda.verify --all` checks (about 40)."""
     classes: list[CaseClass] = []
     states = [(False, False, False), (True, True, False), (True, False, False), (False, True, True), (True, True, True)]
-    betas = ["given", "sigmoid", "sigmoid2"]
-    dims = [64, 128, 256]
+    betas: list[Literal["given", "sigmoid", "sigmoid2"]] = ["given", "sigmoid", "sigmoid2"]
+    dims: list[Literal[64, 128, 256]] = [64, 128, 256]
     i = 0
     for dtype in ("bfloat16", "float16", "float32"):
         for gate in GateMode:

@@ -1,6 +1,6 @@
 """Check one backend against the float64 reference on one case, and a whole case class.
 
-Pass rule (DESIGN section 4): for every output and gradient, ``||x - ref||_2 / ||ref||_2 <= tol`` and
+Pass rule (docs/design.md): for every output and gradient, ``||x - ref||_2 / ||ref||_2 <= tol`` and
 ``x`` is finite everywhere. The backend is called directly (never through the dispatcher), so a record
 always says what that backend computed. Around the call:
 
@@ -57,8 +57,8 @@ _verifying: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_verifying
 
 
 def is_verifying() -> bool:
-    """True while a verification case runs: lets a backend (or a test's spy) tell the verifier's calls
-    from real ones."""
+    """True while a verification case runs: lets a test's spy tell the verifier's calls from real ones
+    (backends never ask: they get `Backend.verification_scope` instead)."""
     return _verifying.get()
 
 
@@ -156,7 +156,7 @@ def run_case(backend: Backend, case: VerificationCase, device: torch.device | st
     token = _verifying.set(True)
     try:
         # The verdict must not depend on the caller's context (a lazy check can run inside their autocast).
-        with torch.autocast(device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False), backend.verification_scope():
             return _run_case(backend, case, device)
     finally:
         _verifying.reset(token)
@@ -176,7 +176,8 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))
 
     ref_out, ref_grads = _reference(kwargs, upstream, cc.training)
-    inputs = KDAInputs(**{n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs})
+    fields: dict[str, Any] = {n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs}
+    inputs = KDAInputs(**fields)
     snapshot = {name: t.clone() for name, t in kwargs.items() if isinstance(t, torch.Tensor)}
     result = CaseResult(case, passed=False)
     try:

@@ -27,11 +27,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kda import __version__, registry
+from kda import registry
+from kda._version import __version__
 from kda.spec import CaseClass
 from kda.verify.cases import full_grid
 from kda.verify.check import ClassResult, verify_class
 from kda.verify.records import default_store, fingerprint, fingerprint_id
+from kda.workloads import DEFAULT_SHAPES, MODES, case_class_keys
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]{error}[/red]")
         return 2
     if args.with_bench_classes:
-        from kda.bench.shapes import DEFAULT_SHAPES, MODES, case_class_keys
-
         have = {cc.key for cc in classes}
         classes += [CaseClass.from_key(k) for k in case_class_keys(DEFAULT_SHAPES, list(MODES)) if k not in have]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -155,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("case class")
     for backend in runnable:
         table.add_column(f"{backend.name} v{backend.version}")
-    missing = {"status": "fail", "worst_ratio": None, "reason": "no result (worker failed)", "cases": []}
+    missing: dict[str, Any] = {
+        "status": "fail",
+        "worst_ratio": None,
+        "reason": "no result (worker failed)",
+        "cases": [],
+    }
     for cc in classes:
         table.add_row(cc.key, *[_cell(by_key.get((b.name, cc.key), missing)) for b in runnable])
     out.print(table)

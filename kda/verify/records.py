@@ -7,21 +7,16 @@ fingerprint has no records, so after any upgrade every backend starts unverified
 
 Storage: one JSON file per (backend, fingerprint) under ``<KDA_CACHE_DIR>/verification/``. Writers take
 an exclusive lock on a side file, re-read, merge and replace the file atomically, so concurrent
-processes never lose or corrupt each other's records. A file that cannot be read or parsed counts as
+processes never lose or corrupt each other's records (the lock, the atomic write and the tolerant read
+are `kda.store`'s). A file that cannot be read or parsed counts as
 no records at all: it never breaks a call, and the next write replaces it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
-import importlib.metadata
 import json
 import math
-import os
-import platform
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,51 +25,23 @@ from typing import Any, Literal
 
 import torch
 
-from kda import config
+from kda import store as disk
 from kda._version import __version__
 from kda.backends.base import Backend
+from kda.store import TRACKED_PACKAGES, device_identity, package_versions
 
-try:  # POSIX advisory locks; elsewhere the atomic replace alone keeps files whole
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
-# Distributions whose versions enter the fingerprint (import name: distribution names to try).
-TRACKED_PACKAGES: dict[str, tuple[str, ...]] = {
-    "torch": ("torch",),
-    "triton": ("triton", "pytorch-triton"),
-    "helion": ("helion",),
-    "tilelang": ("tilelang",),
-    "flash_kda": ("tokenspeed-flashkda", "flash-kda", "flash_kda"),
-    "fla": ("fla-core", "flash-linear-attention"),
-}
+__all__ = [
+    "TRACKED_PACKAGES",
+    "Record",
+    "RecordStore",
+    "default_store",
+    "device_identity",
+    "fingerprint",
+    "fingerprint_id",
+    "package_versions",
+]
 
 Source = Literal["verify", "lazy"]
-
-
-@functools.lru_cache(maxsize=1)
-def package_versions() -> dict[str, str | None]:
-    """Installed versions of the tracked packages, read from metadata once (nothing is imported)."""
-    found: dict[str, str | None] = {}
-    for name, dists in TRACKED_PACKAGES.items():
-        found[name] = None
-        for dist in dists:
-            try:
-                found[name] = importlib.metadata.version(dist)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    found["torch"] = torch.__version__  # the one actually imported
-    return found
-
-
-def device_identity(device: torch.device | str) -> dict[str, str | None]:
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        return {"device": torch.cuda.get_device_name(index), "capability": f"{major}.{minor}"}
-    return {"device": f"{device.type}:{platform.machine()}", "capability": None}
 
 
 def fingerprint(backend: Backend, device: torch.device | str) -> dict[str, Any]:
@@ -158,7 +125,7 @@ class RecordStore:
     def put(self, backend: Backend, device: torch.device | str, records: list[Record]) -> None:
         path = self.path_for(backend, device)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock, _file_lock(path.with_suffix(".lock")):
+        with self._lock, disk.file_lock(path.with_suffix(".lock")):
             current = self._read(path, use_memo=False)
             for record in records:
                 current[record.case_class] = record
@@ -166,15 +133,7 @@ class RecordStore:
                 "fingerprint": fingerprint(backend, device),
                 "records": {key: asdict(rec) for key, rec in sorted(current.items())},
             }
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as handle:
-                    json.dump(payload, handle, indent=1, default=_json_default)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            disk.write_json_atomic(path, payload, default=_json_default)
             self._memo.pop(path, None)
             self.generation += 1
 
@@ -188,8 +147,8 @@ class RecordStore:
             if memo is not None and memo[0] == stamp:
                 return dict(memo[1])
         try:
-            entries = json.loads(path.read_text())["records"].items()
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            entries = disk.read_json(path)["records"].items()
+        except (KeyError, TypeError, AttributeError):
             entries = []  # corrupt or foreign: no records, never a crash
         records = {}
         for key, value in entries:
@@ -207,25 +166,12 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    if fcntl is None:  # pragma: no cover
-        yield
-        return
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 _stores: dict[Path, RecordStore] = {}
 
 
 def default_store() -> RecordStore:
     """The store under the current ``KDA_CACHE_DIR`` (re-read each call, so the variable can change)."""
-    root = config.cache_dir()
+    root = disk.cache_root()
     store = _stores.get(root)
     if store is None:
         store = _stores[root] = RecordStore(root)

@@ -11,8 +11,9 @@ FLA's inner stages can also be dispatched (FLA 0.6 routes some backward pieces t
 `tilelang` is installed and ``FLA_TILELANG`` is not ``0``). Whether that route is live is part of this
 backend's verification fingerprint, so records made on one path are not trusted for the other.
 
-Verification: FLA autotunes each new set of compile-time shapes for minutes; while the verifier runs
-FLA, its autotuners are pinned to one configuration (`pinning`), which changes the tiling, not the math.
+Verification: FLA autotunes each new set of compile-time shapes for minutes; inside the verifier's
+`verification_scope()`, FLA's autotuners are pinned to one configuration (`pinning`), which changes the
+tiling, not the math.
 
 Training: the forward runs FLA under autograd on detached leaves that share the caller's storage, and
 keeps FLA's graph; the backward asks that graph for every gradient (FLA's own backward kernels).
@@ -20,10 +21,13 @@ keeps FLA's graph; the backward asks that graph for every gradient (FLA's own ba
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import importlib.util
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +37,9 @@ from kda.backends.fla.pinning import pinned_autotune
 from kda.spec import KDASpec
 
 _FLA_MODULE = "fla.ops.kda.chunk"
+
+# True inside `FLABackend.verification_scope()`: the steps then run with FLA's autotuners pinned.
+_pinning: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_fla_pinning", default=False)
 
 
 def fla_triton_chunk_kda() -> Any:
@@ -82,18 +89,27 @@ class FLABackend(Backend):
     def fingerprint_extras(self) -> dict[str, str]:
         return {"fla_tilelang_route": "live" if _tilelang_route_live() else "off"}
 
+    @contextlib.contextmanager
+    def verification_scope(self) -> Iterator[None]:
+        """While verified, each forward and backward runs with FLA's autotuners pinned (see `pinning`)."""
+        token = _pinning.set(True)
+        try:
+            yield
+        finally:
+            _pinning.reset(token)
+
     def supports(self, spec: KDASpec) -> Verdict:
         if spec.device.type != "cuda":
             return Verdict.no(f"runs on CUDA only; the call is on {spec.device}")
         return Verdict.yes("FLA implements the whole contract on CUDA")
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
-        return _while_verifying_pinned(self._forward, inputs, spec)
+        return _pinned_when_verified(self._forward, inputs, spec)
 
     def backward(
         self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None
     ) -> KDAGradients:
-        return _while_verifying_pinned(self._backward, inputs, spec, saved, do, dfinal_state)
+        return _pinned_when_verified(self._backward, inputs, spec, saved, do, dfinal_state)
 
     def _forward(self, inputs: KDAInputs, spec: KDASpec) -> ForwardResult:
         run = fla_triton_chunk_kda()
@@ -141,11 +157,9 @@ class FLABackend(Backend):
         if final_state is not None and dfinal_state is not None:
             outputs.append(final_state)
             upstream.append(dfinal_state.contiguous())
-        from kda.verify.check import is_verifying
-
         # Under the verifier the graph is kept, so that an unpinned retry (see below) can run it again.
         found = torch.autograd.grad(
-            outputs, list(leaves.values()), upstream, allow_unused=True, retain_graph=is_verifying()
+            outputs, list(leaves.values()), upstream, allow_unused=True, retain_graph=_pinning.get()
         )
         grads = {
             name: (torch.zeros_like(leaf) if grad is None else grad)
@@ -163,11 +177,10 @@ class FLABackend(Backend):
         )
 
 
-def _while_verifying_pinned(step: Any, *args: Any) -> Any:
-    """Run `step`; under the verifier, with FLA's autotuners pinned (retrying unpinned if that fails)."""
-    from kda.verify.check import is_verifying
-
-    if not is_verifying():
+def _pinned_when_verified(step: Any, *args: Any) -> Any:
+    """Run `step`; inside `verification_scope()`, with FLA's autotuners pinned (retrying unpinned if that
+    fails)."""
+    if not _pinning.get():
         return step(*args)
     fla_triton_chunk_kda()  # import FLA's kernel modules first, so that pinning finds their autotuners
     try:

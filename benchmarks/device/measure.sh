@@ -5,7 +5,8 @@
 #
 # Targets (each writes $OUT/<target>/ and the machine's versions to $OUT/env.txt):
 #   verify       python -m kda.verify --all --with-bench-classes over VERIFY_JOBS processes -> verify.json
-#                (at most VERIFY_S seconds of the deadline when set)
+#                (VERIFY_BACKENDS narrows it; at most VERIFY_S seconds of the deadline when set); the
+#                workers' part-N.json and logs come back as verify/workers.tgz, so a cut run keeps its classes
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
@@ -54,9 +55,12 @@ for target in "$@"; do
   verify)
     mkdir -p "$OUT/verify"
     limit=$(left 20); [ -n "${VERIFY_S:-}" ] && [ "$VERIFY_S" -lt "$limit" ] && limit=$VERIFY_S
-    timeout "$limit" python3 -m kda.verify --all --with-bench-classes --jobs "${VERIFY_JOBS:-12}" \
+    which="--all"; [ -n "${VERIFY_BACKENDS:-}" ] && which=$(printf -- '--backend %s ' $VERIFY_BACKENDS)
+    # shellcheck disable=SC2086
+    timeout "$limit" python3 -m kda.verify $which --with-bench-classes --jobs "${VERIFY_JOBS:-12}" \
       --work-dir /tmp/verify-workers --json "$OUT/verify/verify.json" > "$OUT/verify/table.txt" 2> "$OUT/verify/log.txt"
-    echo "verify: exit $?"; tail -n 3 "$OUT/verify/table.txt"; grep -E "FAIL|fail " "$OUT/verify/table.txt" | head -20
+    echo "verify: exit $?"; tar czf "$OUT/verify/workers.tgz" -C /tmp verify-workers  # one file: at most 8 come back
+    tail -n 3 "$OUT/verify/table.txt"; grep -E "FAIL|fail " "$OUT/verify/table.txt" | head -20
     ;;
   bench)
     # shellcheck disable=SC2046

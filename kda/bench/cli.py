@@ -4,10 +4,10 @@
     python -m kda.bench --shape B1_T8192_H96_D128 --mode fwd --backend flashkda --backend auto
     python -m kda.bench --tune                            # also record the timing table `auto` ranks by
     python -m kda.bench --jobs 4                          # shapes spread over 4 processes, one GPU each
-    python -m kda.bench --chart benchmarks/results/nvidia-h200/2026-11-29/results.json
+    python -m kda.bench --chart benchmarks/results/nvidia-h200/0.1.0/results.json
     python -m kda.bench --merge part1/results.json part2/results.json --out merged/
 
-Writes ``results.json``, ``results.md`` and ``pct_fla.png`` under ``benchmarks/results/<gpu>/<date>/``
+Writes ``results.json``, ``results.md`` and ``pct_fla.png`` under ``benchmarks/raw/<gpu>/<date>/``
 (or ``--out``) and prints a table. Exit status 0 when every row that ran succeeded, 1 when a row failed
 or the run was interrupted (SIGTERM or Ctrl-C: the rows finished so far are still written, marked so).
 ``results.json`` and ``results.md`` are also rewritten as each row finishes, so that a run killed where
@@ -69,7 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         help="fwd, fwd_pregated, train_pregated or train_safe (repeatable; default: all four)",
     )
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<gpu>/<date>")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/raw/<gpu>/<date> (not tracked; benchmarks/snapshot.py curates)",
+    )
     parser.add_argument(
         "--cold-start",
         choices=("none", "first", "all"),

@@ -67,7 +67,7 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-def default_out_dir(device: torch.device, root: Path = Path("benchmarks/results")) -> Path:
+def default_out_dir(device: torch.device, root: Path = Path("benchmarks/raw")) -> Path:
     name = gpu_info(device)["name"] if device.type == "cuda" else "cpu"
     return root / gpu_slug(name) / datetime.date.today().isoformat()
 

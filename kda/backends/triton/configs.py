@@ -45,7 +45,7 @@ class LaunchConfig:
 # The evidence for each setting: H200 figures in ms, from `benchmarks/triton_stages.py --sweep` (inference,
 # per stage, median of `do_bench`) or `--train-sweep` (training, GPU time per kernel from torch.profiler),
 # at the bench shape named; "`aot`": shared memory from `python -m kda.backends.triton.aot` (compiled for sm90
-# on a CPU, against 227 KB per block). Raw outputs are under benchmarks/results/nvidia-h200/.
+# on a CPU, against 227 KB per block). The sweeps are rerun with `bash benchmarks/device/measure.sh sweep`.
 _TABLE: dict[int, dict[str, LaunchConfig]] = {
     9: {
         # K and V <= 128

@@ -219,7 +219,7 @@ def test_cli_end_to_end_on_the_cpu(seed, tmp_path, capsys):
 
 
 def test_rows_are_on_disk_as_each_finishes(seed, tmp_path, monkeypatch):
-    """A bench killed where no handler runs (SIGKILL, or SIGTERM while it compiles: in session 8 a forward
+    """A bench killed where no handler runs (SIGKILL, or SIGTERM while it compiles: on the H200 a forward
     bench cut off by its deadline lost every row that way) leaves the rows it finished: results.json and
     results.md are rewritten after each row, marked partial; the final write drops the mark."""
     out = tmp_path / "bench"

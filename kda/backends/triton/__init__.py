@@ -20,13 +20,12 @@ kernel taking K in blocks, `chunk_backward`, with its diagonal blocks in `diagon
 elementwise tails fused in two launches, `tails`) gives every gradient and matches the float64 reference
 in the interpreter. The jit helpers the kernel modules share are in `tiles`.
 
-On CUDA (run on an H200 since 2026-11-29) the forward and training are offered at every K and V up to
-256, and verified before use like every backend. Training was opt-in (``KDA_TRITON_EXPERIMENTAL``) until a
-version passed the whole grid on the H200 with every training class (version 16); the variable
-is no longer read. For bf16/fp16 training the products are chosen per kernel for ``dA_log``'s sake
-(`storage.dot_precisions`): a GPU truncates fp32 operands to TF32, and ``dA_log`` sums terms that cancel.
+On CUDA the forward and training are offered at every K and V up to 256, and verified before use like
+every backend (the whole grid, training included, passes on the H200). For bf16/fp16 training the
+products are chosen per kernel for ``dA_log``'s sake (`storage.dot_precisions`): a GPU truncates fp32
+operands to TF32, and ``dA_log`` sums terms that cancel.
 Verification catches wrong numbers, not a kernel that faults and takes the caller's CUDA context down with
-it; none has faulted over the grid on the H200 since version 14.
+it; none has faulted over the grid on the H200.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ def merge_bench(paths: list[Path]) -> dict[str, Any]:
     parts = [_read(p) for p in paths]
     if not parts:
         raise SystemExit("snapshot: give at least one --bench results.json")
+    mixed = results.mixed_runs(parts)
+    if mixed is not None:  # a snapshot states one GPU and one set of versions for all its rows
+        raise SystemExit(f"snapshot: {paths[mixed]} was measured on another GPU or with other versions than {paths[0]}")
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for part in parts:
         fresh: dict[tuple[str, str], list[dict[str, Any]]] = {}

@@ -293,10 +293,10 @@ def compile_groups(shapes: list[str], jobs: int) -> list[list[str]]:
 def _merge(paths: list[Path], out_dir: Path | None, out: Console, err: Console) -> int:
     parts = [json.loads(p.read_text()) for p in paths]
     first = parts[0]
-    for path, part in zip(paths[1:], parts[1:]):
-        if part["gpu"] != first["gpu"] or part["versions"] != first["versions"]:
-            err.print(f"[red]{path} was measured on another GPU or with other versions; not merging[/red]")
-            return 2
+    mixed = results.mixed_runs(parts)
+    if mixed is not None:
+        err.print(f"[red]{paths[mixed]} was measured on another GPU or with other versions; not merging[/red]")
+        return 2
     data = {
         **first,
         "settings": {"merged_from": [str(p) for p in paths], "runs": [p["settings"] for p in parts]},

@@ -83,6 +83,15 @@ def payload(rows: Iterable[Row], device: torch.device, settings: dict[str, Any])
     }
 
 
+def mixed_runs(parts: list[dict[str, Any]]) -> int | None:
+    """The index of the first run measured on another GPU or with other package versions than the first,
+    or None when every run can share one table (its GPU and versions are stated once)."""
+    for i, part in enumerate(parts[1:], start=1):
+        if part["gpu"] != parts[0]["gpu"] or part["versions"] != parts[0]["versions"]:
+            return i
+    return None
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 

@@ -93,3 +93,13 @@ def test_each_figure_comes_from_its_row_with_the_same_process_ratio(tmp_path):
     # the re-measured shape replaced the old rows whole: FLA 3.00, triton 1.50 at 2.00x, auto chose triton
     assert "| B1_T64_H1_D64 | 3.00 | 1.50 (2.00x) | 1.60 (1.88x) → triton | 2026-02-01 |" in block
     assert "4.00" not in block and "0.50x" not in block
+
+
+def test_a_snapshot_refuses_runs_of_other_versions(tmp_path):
+    first = _payload([_row("B1_T64_H1_D64", "baseline:fla", 2.0, 2.0)], "2026-01-01")
+    other = _payload([_row("B1_T64_H1_D64", "baseline:fla", 3.0, 3.0)], "2026-02-01")
+    other["versions"] = {**other["versions"], "triton": "3.6.0"}
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="other versions"):
+        snapshot.main(["--out", str(tmp_path / "out"), "--bench", str(tmp_path / "a.json"), str(tmp_path / "b.json")])

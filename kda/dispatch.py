@@ -9,6 +9,8 @@ in this order, stopping at the first no:
 4. **verified**: has it passed verification for this case class on this machine (see docs/design.md)?
    With ``KDA_VERIFY=lazy`` (default) a missing record triggers a quick verification, once; ``strict``
    requires a record made by ``python -m kda.verify``; ``off`` trusts every backend, with a warning.
+   A record holds measured errors; it passes when they meet the tolerances in force
+   (`kda.verify.policy`, ``KDA_TOLERANCE_SCALE``), judged when it is read.
 
 Usable backends are ranked: an explicit list keeps its order; ``auto`` ranks by the timings
 `python -m kda.bench --tune` measured on this GPU at the nearest tuned shape (`kda.timings`), and by static
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 from kda import config, registry, timings
 from kda.backends.base import Backend, Verdict
-from kda.errors import BackendSelectionError
+from kda.errors import BackendSelectionError, KDAInputError
 from kda.spec import KDASpec
 from kda.verify.check import verify_class
 from kda.verify.records import default_store
@@ -106,13 +108,17 @@ class Decision:
 
 
 def _requested(request: Request) -> tuple[str, ...] | None:
+    """The backend names a request stands for (None: every registered one); `KDAInputError` naming
+    ``backend`` for anything that is not "auto", a name, or a non-empty list of names."""
     if isinstance(request, str):
         if request == "auto":
             return _scoped.get()
         return (request,)
-    names = tuple(request)
+    names = tuple(request) if isinstance(request, (list, tuple)) else None
     if not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"backend must be 'auto', a backend name or a list of names; got {request!r}")
+        raise KDAInputError(
+            "backend", "must be 'auto', a backend name, or a non-empty list or tuple of names", repr(request)
+        )
     return names
 
 
@@ -146,10 +152,14 @@ def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
                 result = verify_class(backend, spec.case_class, spec.device, quick=True, like=spec)
                 record = result.to_record(source="lazy", quick=True)
                 store.put(backend, spec.device, [record])
-    if record.passed:
+    judged = record.assessment()  # under the tolerances in force, from the errors the record holds
+    if judged.passed:
         how = "by kda.verify" if record.source == "verify" else "on first use"
-        return Verdict.yes(f"passed {key} {how} (worst error {record.worst_ratio:.2g} x tolerance)")
-    return Verdict.no(f"failed verification of {key}: {record.reason}")
+        return Verdict.yes(
+            f"passed {key} {how}; worst error {judged.worst_ratio:.2f} of the tolerance in force"
+            f" (KDA_TOLERANCE_SCALE={config.tolerance_scale():g})"
+        )
+    return Verdict.no(f"failed verification of {key}: {judged.reason}")
 
 
 def _consider(backend: Backend, spec: KDASpec, mode: str) -> Consideration:
@@ -215,6 +225,7 @@ def _cache_key(spec: KDASpec, request: Request) -> tuple:
         id(store),
         store.generation,
         config.verify_mode(),
+        config.tolerance_scale(),
         timings.stamp(spec.device, store.root) if names is None else None,
     )
 

@@ -29,6 +29,7 @@ from kda.options import (
     FLAGS,
     NUMBERS,
     OPTIONS,
+    REQUIRED,
     TENSORS,
     KDAArguments,
     flags_of,
@@ -231,6 +232,8 @@ class KDASpec(BaseModel):
         args.check_fla_only()
         tensors: tuple[torch.Tensor | None, ...] = tensors_of(args)
         for name, tensor in zip(TENSORS, tensors):
+            if tensor is None and name in REQUIRED:
+                raise KDAInputError(name, "is required: a torch.Tensor", "None")
             if tensor is not None and not isinstance(tensor, torch.Tensor):
                 raise KDAInputError(name, "must be a torch.Tensor", type(tensor).__name__)
         for name, flag in zip(FLAGS, flags_of(args)):
@@ -346,6 +349,8 @@ class KDASpec(BaseModel):
             rule("beta", f"must be [B, T, HV] = {_fmt_shape((B, T, HV))}", _fmt_shape(beta.shape))
 
         # Dtypes and devices.
+        if torch.device(q.device).type == "meta":
+            rule("q", "must hold values: kda computes KDA, and a meta tensor has none", q.device)
         if q.dtype not in FLOAT_DTYPES:
             rule("q", f"dtype must be one of {', '.join(FLOAT_DTYPES)}", q.dtype)
         for name, info in (("k", k), ("v", v)):

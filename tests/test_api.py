@@ -379,6 +379,15 @@ def _bad_inputs() -> dict[str, Any]:
         "initial_state-shape": (lambda c: {**c, "initial_state": torch.randn(2, 1, 16, 16)}, "initial_state"),
         "cu_seqlens-end": (with_(cu_seqlens=torch.tensor([0, 10, 39])), "cu_seqlens"),
         "flag-not-bool": (with_(output_final_state="yes"), "output_final_state"),
+        "q-none": (with_(q=None), "q"),
+        "beta-none": (with_(beta=None), "beta"),
+        "g-none": (with_(g=None), "g"),
+        "meta-device": (lambda c: {n: t.to("meta") if isinstance(t, torch.Tensor) else t for n, t in c.items()}, "q"),
+        "backend-none": (with_(backend=None), "backend"),
+        "backend-int": (with_(backend=3), "backend"),
+        "backend-empty-list": (with_(backend=[]), "backend"),
+        "backend-list-of-int": (with_(backend=["torch", 3]), "backend"),
+        "backend-dict": (with_(backend={"torch": 1}), "backend"),
     }
 
 
@@ -396,7 +405,8 @@ def test_bad_input_is_rejected_before_any_backend_runs(seed, monkeypatch, kind, 
     call = mutate(inputs())
     if requires_grad:
         for name in ("q", "k", "v"):
-            call[name] = call[name].detach().requires_grad_(True)
+            if call[name] is not None:
+                call[name] = call[name].detach().requires_grad_(True)
     before = {n: t.detach().clone() for n, t in call.items() if isinstance(t, torch.Tensor)}
 
     with kda.trace_routes() as routes, pytest.raises(kda.KDAInputError) as error:
@@ -406,10 +416,20 @@ def test_bad_input_is_rejected_before_any_backend_runs(seed, monkeypatch, kind, 
     assert spy.calls == 0 and spy.verify_calls == 0 and torch_calls == []
     assert not verification_dir().exists(), "verification ran for an invalid call"
     for name, t in before.items():
-        assert torch.equal(call[name].detach(), t), f"{name} was modified"
+        assert t.is_meta or torch.equal(call[name].detach(), t), f"{name} was modified"
         assert call[name].grad is None
     with pytest.raises(kda.KDAInputError):
         kda.explain(**call)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_meta_tensors_inside_autocast_are_an_input_error(seed, device_type):
+    """Regression: under autocast the lazy verification failed inside torch with "unsupported scalarType"."""
+    call = {n: t.to("meta") if isinstance(t, torch.Tensor) else t for n, t in inputs().items()}
+    with torch.autocast(device_type, enabled=device_type == "cpu"), pytest.raises(kda.KDAInputError) as error:
+        kda.chunk_kda(**call)
+    assert error.value.argument == "q" and "meta" in str(error.value)
+    assert not verification_dir().exists()
 
 
 def test_valid_call_leaves_inputs_unmodified(seed):
@@ -421,7 +441,7 @@ def test_valid_call_leaves_inputs_unmodified(seed):
     o, final = kda.chunk_kda(**call, output_final_state=True, use_beta_sigmoid_in_kernel=True, chunk_size=32)
     (o.square().sum() + final.sum()).backward()
     for name, t in before.items():
-        assert torch.equal(call[name].detach(), t), f"{name} was modified"
+        assert t.is_meta or torch.equal(call[name].detach(), t), f"{name} was modified"
         assert call[name].grad is not None and call[name].grad.shape == t.shape
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kda.spec import CaseClass, GateMode, KDASpec
+from kda.verify.policy import LONG_T, MIN_CHUNKS_SPANNED
 
 Regime = Literal["realistic", "extreme", "near_zero_bound"]
 
@@ -66,9 +67,18 @@ class VerificationCase:
         }
 
 
-def cases_for(case_class: CaseClass, *, quick: bool, like: KDASpec | None = None) -> list[VerificationCase]:
+def cases_for(
+    case_class: CaseClass, *, quick: bool, like: KDASpec | None = None, long: bool = False
+) -> list[VerificationCase]:
     """Concrete cases for a class: one realistic case when `quick`, else three (realistic, extreme, and a
-    shape/regime variant). With `like`, head dims and the GVA group follow that call."""
+    shape/regime variant); with `long`, also one realistic case of more than `LONG_T` tokens. With `like`,
+    head dims and the GVA group follow that call.
+
+    The realistic case always spans more than four chunks and ends in a partial one (4C + 13 tokens in
+    one sequence), so that a backend wrong only past its first chunks, or only on a ragged tail, fails in
+    quick verification too. The long case (several dozen chunks) is where an error that grows with T,
+    such as a state kept in low precision, shows.
+    """
     C = case_class.chunk_size
     if like is not None:
         K, V, group = like.K, like.V, like.HV // like.H
@@ -78,27 +88,32 @@ def cases_for(case_class: CaseClass, *, quick: bool, like: KDASpec | None = None
     H = _H
     HV = H * group
 
-    def sized(regime: Regime, lengths: tuple[int, ...], **extra: Any) -> VerificationCase:
+    def sized(regime: Regime, lengths: tuple[int, ...], batch: int = 2, **extra: Any) -> VerificationCase:
         if case_class.varlen:
             B, seq_lens = 1, lengths
         else:
-            B, seq_lens = 2, (lengths[0],) * 2
+            B, seq_lens = batch, (lengths[0],) * batch
         return VerificationCase(case_class, regime, B, H, HV, K, V, seq_lens, case_class.dtype, **extra)
 
-    realistic = sized("realistic", (2 * C + 13, C - 5, 17) if case_class.varlen else (2 * C + 13,))
-    if quick:
-        return [realistic]
-    extreme = sized("extreme", (3 * C - 5, 1, 0, C + 1) if case_class.varlen else (3 * C - 5,))
-    variant_regime: Regime = "near_zero_bound" if case_class.gate is GateMode.SAFE else "realistic"
-    variant = sized(
-        variant_regime,
-        (C - 3, 0, 2 * C, 5) if case_class.varlen else (C - 3,),
-        dt_bias_2d=True,
-        safe_without_A_log=case_class.gate is GateMode.SAFE,
-    )
-    # The variant also takes the gate input in fp32 and uses K != V (so the two state layouts differ).
-    variant = replace(variant, g_dtype="float32", V=max(1, V // 2) if like is None else V)
-    return [realistic, extreme, variant]
+    spanning = MIN_CHUNKS_SPANNED * C + 13
+    realistic = sized("realistic", (spanning, C - 5, 17) if case_class.varlen else (spanning,))
+    cases = [realistic]
+    if not quick:
+        extreme = sized("extreme", (3 * C - 5, 1, 0, C + 1) if case_class.varlen else (3 * C - 5,))
+        variant_regime: Regime = "near_zero_bound" if case_class.gate is GateMode.SAFE else "realistic"
+        variant = sized(
+            variant_regime,
+            (C - 3, 0, 2 * C, 5) if case_class.varlen else (C - 3,),
+            dt_bias_2d=True,
+            safe_without_A_log=case_class.gate is GateMode.SAFE,
+        )
+        # The variant also takes the gate input in fp32 and uses K != V (so the two state layouts differ).
+        variant = replace(variant, g_dtype="float32", V=max(1, V // 2) if like is None else V)
+        cases += [extreme, variant]
+    if long:
+        long_T = LONG_T + 27  # a ragged tail at either chunk size
+        cases.append(sized("realistic", (long_T, C + 7) if case_class.varlen else (long_T,), batch=1))
+    return cases
 
 
 def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

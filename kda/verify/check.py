@@ -24,22 +24,20 @@ from kda.backends.base import Backend, KDAGradients, KDAInputs, KDAOutputs
 from kda.reference import kda_reference
 from kda.spec import CaseClass, KDASpec
 from kda.verify.cases import VerificationCase, cases_for, make_inputs
+from kda.verify.policy import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE, Assessment, assess, tolerance
 from kda.verify.records import Record, Source
 
-# Relative L2 tolerances for bf16/fp16 inputs; fp32 inputs use FP32_TOLERANCE for everything.
-LOW_PRECISION_TOLERANCE = {
-    "o": 5e-3,
-    "final_state": 5e-3,
-    "dq": 8e-3,
-    "dk": 8e-3,
-    "dv": 8e-3,
-    "dinitial_state": 8e-3,
-    "dg": 2e-2,
-    "dbeta": 2e-2,
-    "dA_log": 1e-2,
-    "ddt_bias": 1e-2,
-}
-FP32_TOLERANCE = 1e-3
+__all__ = [
+    "FP32_TOLERANCE",
+    "LOW_PRECISION_TOLERANCE",
+    "CaseResult",
+    "ClassResult",
+    "is_verifying",
+    "relative_error",
+    "run_case",
+    "tolerance",
+    "verify_class",
+]
 
 GRADIENT_OF = {
     "dq": "q",
@@ -60,10 +58,6 @@ def is_verifying() -> bool:
     """True while a verification case runs: lets a test's spy tell the verifier's calls from real ones
     (backends never ask: they get `Backend.verification_scope` instead)."""
     return _verifying.get()
-
-
-def tolerance(tensor: str, dtype: str) -> float:
-    return FP32_TOLERANCE if dtype == "float32" else LOW_PRECISION_TOLERANCE[tensor]
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -87,6 +81,7 @@ class CaseResult:
     reason: str | None = None
     seconds: float = 0.0
     unsupported: bool = False
+    problems: list[str] = field(default_factory=list)  # failures other than accuracy (raised, wrong dtype, ...)
 
     @property
     def worst_ratio(self) -> float:
@@ -99,7 +94,9 @@ class CaseResult:
         return {
             **self.case.describe(),
             "passed": self.passed,
+            "unsupported": self.unsupported,
             "errors": self.errors,
+            "problems": self.problems,
             "reason": self.reason,
             "seconds": round(self.seconds, 4),
         }
@@ -178,7 +175,9 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
     ref_out, ref_grads = _reference(kwargs, upstream, cc.training)
     fields: dict[str, Any] = {n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs}
     inputs = KDAInputs(**fields)
-    snapshot = {name: t.clone() for name, t in kwargs.items() if isinstance(t, torch.Tensor)}
+    # What the backend is handed and must leave alone: the inputs, and the upstream gradients of backward.
+    handed = {**{n: t for n, t in kwargs.items() if isinstance(t, torch.Tensor)}, **upstream}
+    snapshot = {name: (t.clone(), t._version) for name, t in handed.items()}
     result = CaseResult(case, passed=False)
     try:
         out = None
@@ -198,12 +197,9 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         with torch.no_grad():
             fwd = backend.forward(inputs, spec, out)
         got = {"o": fwd.o, "final_state": fwd.final_state}
-        if fwd.o.dtype != spec.dtype:
-            raise TypeError(f"o has dtype {fwd.o.dtype}, expected q's dtype {spec.dtype}")
-        if spec.output_final_state and fwd.final_state is None:
-            raise ValueError("final_state was requested but not returned")
+        result.problems += _output_problems(fwd.o, fwd.final_state, spec)
         if cc.training:
-            _poison_allocator(device, [t.numel() * t.element_size() for t in snapshot.values()])
+            _poison_allocator(device, [t.numel() * t.element_size() for t, _ in snapshot.values()])
             grads: KDAGradients = backend.backward(
                 inputs, spec, fwd.saved, upstream["do"], upstream.get("dfinal_state")
             )
@@ -213,46 +209,93 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
             torch.cuda.synchronize(device)
     except Exception as error:  # a backend that raises fails verification, with its error as the reason
         result.reason = f"{type(error).__name__}: {error}"
+        result.problems.append(result.reason)
         result.seconds = time.perf_counter() - started
         return result
 
-    changed = [name for name, before in snapshot.items() if not torch.equal(before, kwargs[name])]
     expected = {**ref_out, **ref_grads}
     for name, ref in expected.items():
         if ref is None:
             continue
         value = got.get(name)
-        err = math.inf if value is None else relative_error(value, ref)
+        err = math.inf if not isinstance(value, torch.Tensor) else relative_error(value, ref)
         result.errors[name] = err
         result.ratios[name] = err / tolerance(name, cc.dtype)
     failing = [
-        f"{name} rel. error {result.errors[name]:.2e} > tol {tolerance(name, cc.dtype):.0e}"
+        f"{name} rel. error {result.errors[name]:.2e} > tol {tolerance(name, cc.dtype):.1e}"
         for name, ratio in result.ratios.items()
         if not ratio <= 1.0
     ]
+    # Compared bit for bit, and by version counter: writing a tensor and restoring it is still a write
+    # (autograd and CUDA graphs of the caller see the bumped counter).
+    changed = [n for n, (before, _) in snapshot.items() if not _same_bits(before, handed[n])]
+    touched = [n for n, (_, version) in snapshot.items() if handed[n]._version != version and n not in changed]
     if changed:
-        failing.append("modified its inputs: " + ", ".join(changed))
+        result.problems.append("modified what it was handed: " + ", ".join(changed))
+    if touched:
+        result.problems.append("wrote to what it was handed (its version counter moved): " + ", ".join(touched))
+    failing += result.problems
     result.passed = not failing
     result.reason = "; ".join(failing) or None
     result.seconds = time.perf_counter() - started
     return result
 
 
+def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Equal element for element, where a NaN held before and after counts as equal."""
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    if not before.is_floating_point():
+        return bool(torch.equal(before, after))
+    nan_before, nan_after = before.isnan(), after.isnan()
+    return bool(torch.equal(nan_before, nan_after) and torch.equal(before[~nan_before], after[~nan_after]))
+
+
+def _output_problems(o: Any, final_state: Any, spec: KDASpec) -> list[str]:
+    """Dtype, shape and device of what forward returned (the values are the accuracy check's)."""
+    problems = []
+    o_shape = (spec.B, spec.T, spec.HV, spec.V)
+    if not isinstance(o, torch.Tensor):
+        return [f"o is {type(o).__name__}, not a tensor"]
+    if o.dtype != spec.dtype or tuple(o.shape) != o_shape or o.device != spec.device:
+        problems.append(
+            f"o is {tuple(o.shape)} {o.dtype} on {o.device}; expected {o_shape} {spec.dtype} on {spec.device}"
+        )
+    if spec.output_final_state:
+        if not isinstance(final_state, torch.Tensor):
+            problems.append("final_state was requested but not returned")
+        elif (
+            final_state.dtype != torch.float32
+            or tuple(final_state.shape) != tuple(spec.state_shape)
+            or final_state.device != spec.device
+        ):
+            problems.append(
+                f"final_state is {tuple(final_state.shape)} {final_state.dtype} on {final_state.device}; "
+                f"expected {tuple(spec.state_shape)} torch.float32 on {spec.device}"
+            )
+    return problems
+
+
 @dataclass
 class ClassResult:
+    """Every case of one class on one backend, judged as its record will be (`kda.verify.policy.assess`)."""
+
     backend: str
     case_class: CaseClass
     cases: list[CaseResult]
+    device_type: str = "cpu"
 
     @property
     def unsupported(self) -> bool:
         return all(c.unsupported for c in self.cases)
 
+    def assessment(self) -> Assessment:
+        return assess(self.case_class.key, [c.as_json() for c in self.cases], on_cuda=self.device_type == "cuda")
+
     @property
     def passed(self) -> bool:
-        """At least one case ran, and every case the backend supports passed."""
-        ran = [c for c in self.cases if not c.unsupported]
-        return bool(ran) and all(c.passed for c in ran)
+        """At least one case ran, every case the backend supports passed, and the cases were enough."""
+        return self.assessment().passed
 
     @property
     def worst_ratio(self) -> float:
@@ -262,18 +305,15 @@ class ClassResult:
     def reason(self) -> str | None:
         if self.unsupported:
             return "unsupported: " + (self.cases[0].reason or "") if self.cases else "no cases"
-        reasons = [c.reason for c in self.cases if not c.passed and not c.unsupported and c.reason]
-        return reasons[0] if reasons else None
+        return self.assessment().reason
 
     def to_record(self, source: Source, quick: bool) -> Record:
         return Record(
             case_class=self.case_class.key,
-            passed=self.passed,
-            worst_ratio=self.worst_ratio,
             source=source,
             quick=quick,
+            device_type=self.device_type,
             cases=[c.as_json() for c in self.cases],
-            reason=self.reason,
         )
 
 
@@ -281,6 +321,9 @@ def verify_class(
     backend: Backend, case_class: CaseClass, device: torch.device | str, *, quick: bool, like: KDASpec | None = None
 ) -> ClassResult:
     """Run every case of a class. Cases whose concrete sizes the backend does not support are skipped
-    (the class is unsupported when all are)."""
-    results = [run_case(backend, case, device) for case in cases_for(case_class, quick=quick, like=like)]
-    return ClassResult(backend.name, case_class, results)
+    (the class is unsupported when all are). On CUDA a forward class also gets its long case."""
+    device = torch.device(device)
+    long = device.type == "cuda" and not case_class.training
+    cases = cases_for(case_class, quick=quick, like=like, long=long)
+    results = [run_case(backend, case, device) for case in cases]
+    return ClassResult(backend.name, case_class, results, device.type)

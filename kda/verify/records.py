@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,8 +28,10 @@ from kda import store as disk
 from kda._version import __version__
 from kda.backends.base import Backend
 from kda.store import TRACKED_PACKAGES, device_identity, package_versions
+from kda.verify.policy import Assessment, assess
 
 __all__ = [
+    "RECORD_FORMAT",
     "TRACKED_PACKAGES",
     "Record",
     "RecordStore",
@@ -59,39 +60,61 @@ def fingerprint_id(fp: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# Bumped whenever what a record holds changes meaning; a record of another format counts as absent.
+RECORD_FORMAT = 2
+
+
 @dataclass
 class Record:
-    """The outcome of verifying one backend on one case class."""
+    """What verifying one backend on one case class measured: each case's sizes, seed and per-tensor
+    errors. Whether that passes is decided when the record is read, under the tolerances in force
+    (`kda.verify.policy.assess`), never taken from the file's word."""
 
     case_class: str
-    passed: bool
-    worst_ratio: float  # max over cases and tensors of (relative L2 error / tolerance); inf on error
     source: Source  # "verify" (the CLI) or "lazy" (the dispatcher, on first use)
     quick: bool
+    device_type: str  # torch's device type ("cuda", "cpu"): on CUDA the policy also asks for the long case
     cases: list[dict[str, Any]] = field(default_factory=list)  # per concrete case: seed, sizes, errors
-    reason: str | None = None  # why it failed, in words
     when: float = field(default_factory=time.time)
+    format: int = RECORD_FORMAT
+
+    def assessment(self) -> Assessment:
+        """The record judged under the policy in force (re-read each time: the scale can change)."""
+        return assess(self.case_class, self.cases, on_cuda=self.device_type == "cuda")
+
+    @property
+    def passed(self) -> bool:
+        return self.assessment().passed
+
+    @property
+    def worst_ratio(self) -> float:
+        return self.assessment().worst_ratio
+
+    @property
+    def reason(self) -> str | None:
+        return self.assessment().reason
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Record:
         """Parse one stored record; raises ValueError on anything malformed (the caller then treats the
         record as absent: a hand-edited or foreign file must never make a backend count as verified)."""
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+            raise ValueError("not a verification record of this format")
         record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-        ratio = record.worst_ratio
         if not (
             isinstance(record.case_class, str)
-            and type(record.passed) is bool
             and type(record.quick) is bool
-            and isinstance(ratio, (int, float))
-            and not isinstance(ratio, bool)
-            and not math.isnan(ratio)
             and record.source in ("verify", "lazy")
+            and isinstance(record.device_type, str)
             and isinstance(record.cases, list)
-            and (record.reason is None or isinstance(record.reason, str))
+            and all(isinstance(case, dict) for case in record.cases)
             and isinstance(record.when, (int, float))
         ):
             raise ValueError(f"malformed verification record: {data!r}")
         return record
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class RecordStore:
@@ -101,6 +124,7 @@ class RecordStore:
         self.root = Path(root)
         self._memo: dict[Path, tuple[int, dict[str, Record]]] = {}
         self._paths: dict[tuple, Path] = {}
+        self._expected: dict[Path, Any] = {}  # path -> the fingerprint its file must hold, as JSON reads it
         self._lock = threading.Lock()
         self.generation = 0  # bumped on every write by this process
 
@@ -114,6 +138,7 @@ class RecordStore:
             fp = fingerprint(backend, device)
             safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in backend.name)
             path = self._paths[memo_key] = self.root / "verification" / f"{safe_name}-{fingerprint_id(fp)}.json"
+            self._expected[path] = json.loads(json.dumps(fp, default=_json_default))
         return path
 
     def load(self, backend: Backend, device: torch.device | str) -> dict[str, Record]:
@@ -131,7 +156,7 @@ class RecordStore:
                 current[record.case_class] = record
             payload = {
                 "fingerprint": fingerprint(backend, device),
-                "records": {key: asdict(rec) for key, rec in sorted(current.items())},
+                "records": {key: rec.as_json() for key, rec in sorted(current.items())},
             }
             disk.write_json_atomic(path, payload, default=_json_default)
             self._memo.pop(path, None)
@@ -146,8 +171,13 @@ class RecordStore:
             memo = self._memo.get(path)
             if memo is not None and memo[0] == stamp:
                 return dict(memo[1])
+        stored = disk.read_json(path)
         try:
-            entries = disk.read_json(path)["records"].items()
+            # A file whose fingerprint is not the one its name stands for was not written by kda for this
+            # backend here (copied, hand-edited or foreign): it holds no records.
+            if stored["fingerprint"] != self._expected.get(path):
+                raise KeyError("fingerprint")
+            entries = stored["records"].items()
         except (KeyError, TypeError, AttributeError):
             entries = []  # corrupt or foreign: no records, never a crash
         records = {}

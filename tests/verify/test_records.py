@@ -8,11 +8,11 @@ writers in several processes must never lose each other's records.
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import json
 import math
 import multiprocessing
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,11 @@ import torch.nn.functional as F
 
 import kda
 from kda.backends.torch import TorchBackend
+from kda.spec import CaseClass, GateMode
 from kda.verify import cli
 from kda.verify import records as records_module
 from kda.verify.check import is_verifying as in_verification
+from kda.verify.policy import required_tensors, tolerance
 from kda.verify.records import Record, RecordStore, default_store, fingerprint, fingerprint_id, package_versions
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -85,8 +87,40 @@ def case_key(call: dict[str, Any]) -> str:
     return kda.KDASpec.from_call(**call).case_class.key
 
 
-def record(key: str, passed: bool = True, worst_ratio: float = 0.25, **extra: Any) -> Record:
-    return Record(case_class=key, passed=passed, worst_ratio=worst_ratio, source="verify", quick=True, **extra)
+def measured_case(key: str, worst_ratio: float, seed: int = 7) -> dict[str, Any]:
+    """A case as the verifier stores it: one sequence over four chunks and a ragged tail, and each tensor the
+    class requires measured at `worst_ratio` times its tolerance."""
+    cc = CaseClass.from_key(key)
+    T = 4 * cc.chunk_size + 13
+    errors = {name: worst_ratio * tolerance(name, cc.dtype) for name in sorted(required_tensors(cc))}
+    return {"seed": seed, "T": T, "seq_lens": [T], "unsupported": False, "errors": errors, "problems": []}
+
+
+def record(key: str, worst_ratio: float = 0.25, *, source: Any = "verify", seed: int = 7) -> Record:
+    """A record of one measured case; it passes exactly when `worst_ratio` <= 1."""
+    return Record(key, source, True, "cpu", cases=[measured_case(key, worst_ratio, seed)])
+
+
+# Distinct real case-class keys (forward, so that a CPU record needs no long case).
+KEYS = [
+    CaseClass(
+        gate=gate,
+        qk_l2norm=l2,
+        beta=beta,
+        dtype=dtype,
+        varlen=varlen,
+        gva=False,
+        initial_state=False,
+        final_state=False,
+        state_v_first=False,
+        chunk_size=32,
+        head_dim=64,
+        training=False,
+    ).key
+    for gate, l2, beta, dtype, varlen in itertools.product(
+        GateMode, (True, False), ("given", "sigmoid", "sigmoid2"), ("bfloat16", "float16", "float32"), (False, True)
+    )
+]
 
 
 @pytest.fixture
@@ -163,10 +197,10 @@ def test_store_follows_fingerprint_extras_not_object_identity(tmp_path):
     # A new instance with other extras, created right after the first is freed (CPython then usually
     # hands it the same id).
     first = Configurable()
-    store.put(first, "cpu", [record("only/build/one")])
+    store.put(first, "cpu", [record(KEYS[1])])
     del first
     second = OtherBuild()
-    assert store.get(second, "cpu", "only/build/one") is None
+    assert store.get(second, "cpu", KEYS[1]) is None
 
 
 def test_new_backend_version_is_unverified_end_to_end(seed, monkeypatch):
@@ -268,7 +302,7 @@ def _valid_failing_payload(key: str) -> str:
     return json.dumps(
         {
             "fingerprint": fingerprint(backend, "cpu"),
-            "records": {key: asdict(record(key, passed=False, worst_ratio=3.0, reason="planted"))},
+            "records": {key: record(key, worst_ratio=3.0).as_json()},
         },
         indent=1,
     )
@@ -309,24 +343,24 @@ def test_corrupt_record_file_counts_as_no_record(seed, kind):
     data = json.loads(path.read_text())
     assert set(data) == {"fingerprint", "records"}
     assert data["fingerprint"]["backend"] == "torch"
-    assert data["records"][key]["passed"] is True and data["records"][key]["source"] == "lazy"
+    assert data["records"][key]["source"] == "lazy"
     assert RecordStore(default_store().root).get(torch_backend, "cpu", key).passed
 
 
 def _fields(key: str, **changes: Any) -> dict[str, Any]:
-    good = {"case_class": key, "passed": True, "worst_ratio": 0.5, "source": "lazy", "quick": True}
+    good = record(key, 0.5, source="lazy").as_json()
     return {**good, **changes}
 
 
 WRONGLY_TYPED = {
-    "ratio-null": {"worst_ratio": None},
-    "ratio-string": {"worst_ratio": "0.5"},
-    "ratio-nan": {"worst_ratio": float("nan")},
-    "passed-string": {"passed": "true"},
-    "passed-int": {"passed": 1},
+    "format-old": {"format": 1},
+    "format-missing": {"format": None},
+    "quick-string": {"quick": "true"},
     "source-unknown": {"source": "hand-edited"},
+    "device-number": {"device_type": 3},
     "cases-not-list": {"cases": "none"},
-    "reason-number": {"reason": 3},
+    "case-not-object": {"cases": [5]},
+    "when-string": {"when": "today"},
     "key-mismatch": {"case_class": "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/train"},
 }
 
@@ -342,7 +376,10 @@ def test_record_with_wrongly_typed_field_is_no_record(seed, kind):
     other_key = "softplus/l2/sig/fp32/dense/gva/h0+ht/c32/d64/fwd"
     path.write_text(
         json.dumps(
-            {"records": {key: _fields(key, **WRONGLY_TYPED[kind]), other_key: _fields(other_key, source="verify")}}
+            {
+                "fingerprint": fingerprint(kda.get_backend("torch"), "cpu"),
+                "records": {key: _fields(key, **WRONGLY_TYPED[kind]), other_key: _fields(other_key, source="verify")},
+            }
         )
     )
     torch_backend = kda.get_backend("torch")
@@ -353,8 +390,8 @@ def test_record_with_wrongly_typed_field_is_no_record(seed, kind):
         kda.chunk_kda(**call)
     assert [r.backend for r in routes] == ["torch"]
     data = json.loads(path.read_text())
-    assert data["records"][key]["passed"] is True and data["records"][key]["source"] == "lazy"
-    assert isinstance(data["records"][key]["worst_ratio"], float)
+    assert data["records"][key]["source"] == "lazy" and data["records"][key]["format"] == 2
+    assert default_store().get(torch_backend, "cpu", key).passed
     assert data["records"][other_key]["source"] == "verify"  # merged, not dropped
 
 
@@ -390,10 +427,10 @@ def test_corrupt_file_is_overwritten_by_the_next_put(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_bytes(b'{"records": {"a": ')
     assert store.load(backend, "cpu") == {}
-    store.put(backend, "cpu", [record("k1")])
+    store.put(backend, "cpu", [record(KEYS[0])])
     data = json.loads(path.read_text())
-    assert list(data["records"]) == ["k1"]
-    assert store.get(backend, "cpu", "k1").passed
+    assert list(data["records"]) == [KEYS[0]]
+    assert store.get(backend, "cpu", KEYS[0]).passed
     assert not list(path.parent.glob("*.tmp"))
 
 
@@ -419,16 +456,7 @@ def _writer(root: str, worker: int, barrier) -> None:
         store.put(
             backend,
             "cpu",
-            [
-                Record(
-                    case_class=f"w{worker}/r{i:02d}",
-                    passed=(i + worker) % 2 == 0,
-                    worst_ratio=worker + i / 100,
-                    source="verify",
-                    quick=False,
-                    cases=[{"seed": worker * 1000 + i}],
-                )
-            ],
+            [record(KEYS[1 + worker * 20 + i], worst_ratio=worker + i / 100, seed=worker * 1000 + i)],
         )
 
 
@@ -437,8 +465,8 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     parent = RecordStore(tmp_path)
     backend = StoreOnlyBackend()
-    parent.put(backend, "cpu", [Record("parent/r", True, 0.5, "lazy", True)])
-    assert set(parent.load(backend, "cpu")) == {"parent/r"}
+    parent.put(backend, "cpu", [record(KEYS[0], 0.5, source="lazy")])
+    assert set(parent.load(backend, "cpu")) == {KEYS[0]}
 
     barrier = ctx.Barrier(4)
     workers = [ctx.Process(target=_writer, args=(str(tmp_path), w, barrier)) for w in range(4)]
@@ -454,7 +482,7 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert not list(folder.glob("*.tmp")), "a temporary file was left behind"
     data = json.loads(json_files[0].read_text())
     assert data["fingerprint"]["backend"] == "concurrent"
-    expected = {f"w{w}/r{i:02d}" for w in range(4) for i in range(20)} | {"parent/r"}
+    expected = set(KEYS[:81])
     assert set(data["records"]) == expected
 
     for store in (parent, RecordStore(tmp_path)):  # the parent's memo must notice the other writers
@@ -462,58 +490,46 @@ def test_concurrent_writers_lose_nothing(tmp_path):
         assert set(loaded) == expected
         for w in range(4):
             for i in range(20):
-                rec = loaded[f"w{w}/r{i:02d}"]
-                assert rec.passed == ((i + w) % 2 == 0)
+                rec = loaded[KEYS[1 + w * 20 + i]]
+                assert rec.passed == (w + i / 100 <= 1)
                 assert rec.worst_ratio == pytest.approx(w + i / 100)
-                assert rec.cases == [{"seed": w * 1000 + i}]
+                assert rec.cases[0]["seed"] == w * 1000 + i
 
 
 # ----------------------------------------------------------------------------------------------- records
 
 
-def test_record_round_trips_through_json_with_infinite_ratio(tmp_path):
-    original = Record(
-        case_class="softplus/l2/sig2/fp16/varlen/gva/h0:vk/c32/d256/train",
-        passed=False,
-        worst_ratio=math.inf,
-        source="lazy",
-        quick=False,
-        cases=[{"seed": 12345, "errors": {"o": 0.5}, "seq_lens": [3, 0, 1]}],
-        reason="RuntimeError: boom",
-        when=1234.5,
-    )
-    text = json.dumps(asdict(original))
+def test_record_round_trips_through_json_with_infinite_error(tmp_path):
+    key = "softplus/l2/sig2/fp16/varlen/gva/h0:vk/c32/d256/train"
+    case = {**measured_case(key, 0.5), "errors": {**measured_case(key, 0.5)["errors"], "dq": math.inf}}
+    original = Record(key, "lazy", False, "cpu", cases=[case], when=1234.5)
+    text = json.dumps(original.as_json())
     again = Record.from_json(json.loads(text))
     assert again == original
-    assert math.isinf(again.worst_ratio) and again.worst_ratio > 0
+    assert math.isinf(again.worst_ratio) and not again.passed and "dq rel. error inf" in again.reason
 
     backend = Wrapped()
-    RecordStore(tmp_path).put(backend, "cpu", [original, record("other/key", worst_ratio=0.125)])
+    RecordStore(tmp_path).put(backend, "cpu", [original, record(KEYS[2], worst_ratio=0.125)])
     loaded = RecordStore(tmp_path).load(backend, "cpu")
     assert loaded[original.case_class] == original
-    assert loaded["other/key"].worst_ratio == 0.125 and loaded["other/key"].passed
+    assert loaded[KEYS[2]].worst_ratio == pytest.approx(0.125) and loaded[KEYS[2]].passed
 
 
 def test_record_from_json_ignores_unknown_fields():
-    data = {
-        "case_class": "k",
-        "passed": True,
-        "worst_ratio": 0.5,
-        "source": "verify",
-        "quick": True,
-        "added_in_a_later_version": 1,
-    }
-    data["when"] = 42.0
-    assert Record.from_json(data) == Record("k", True, 0.5, "verify", True, when=42.0)
+    data = {**record(KEYS[0]).as_json(), "added_in_a_later_version": 1, "when": 42.0}
+    assert Record.from_json(data) == Record(
+        KEYS[0], "verify", True, "cpu", cases=[measured_case(KEYS[0], 0.25)], when=42.0
+    )
 
 
 def test_put_merges_with_records_already_on_disk(tmp_path):
     backend = Wrapped()
     first, second = RecordStore(tmp_path), RecordStore(tmp_path)
-    first.put(backend, "cpu", [record("a", worst_ratio=0.1)])
-    second.put(backend, "cpu", [record("b", worst_ratio=0.2)])
-    first.put(backend, "cpu", [record("a", passed=False, worst_ratio=7.0)])
+    a, b = KEYS[3], KEYS[4]
+    first.put(backend, "cpu", [record(a, worst_ratio=0.1)])
+    second.put(backend, "cpu", [record(b, worst_ratio=0.2)])
+    first.put(backend, "cpu", [record(a, worst_ratio=7.0)])
     loaded = RecordStore(tmp_path).load(backend, "cpu")
-    assert set(loaded) == {"a", "b"}
-    assert not loaded["a"].passed and loaded["a"].worst_ratio == 7.0
-    assert loaded["b"].worst_ratio == 0.2
+    assert set(loaded) == {a, b}
+    assert not loaded[a].passed and loaded[a].worst_ratio == pytest.approx(7.0)
+    assert loaded[b].worst_ratio == pytest.approx(0.2)

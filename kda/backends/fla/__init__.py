@@ -7,9 +7,11 @@ the separate `flashkda` backend), so the adapter calls the undecorated function 
 one that validates and runs FLA's Triton `ChunkKDAFunction`. If FLA's layout ever changes so that the
 undecorated function cannot be found, the backend reports itself unavailable rather than guess.
 
-FLA's inner stages can also be dispatched (FLA 0.6 routes some backward pieces to TileLang when
-`tilelang` is installed and ``FLA_TILELANG`` is not ``0``). Whether that route is live is part of this
-backend's verification fingerprint, so records made on one path are not trusted for the other.
+FLA's inner stages are dispatched too: FLA 0.6 routes some backward pieces to TileLang when `tilelang`
+is installed and ``FLA_TILELANG`` is not ``0``. The adapter keeps every stage on FLA's Triton path for
+the length of each call (`route.triton_path_only`), without touching the environment; whether
+TileLang is installed, and whether the bypass found FLA's registry, is part of this backend's
+verification fingerprint.
 
 Verification: FLA autotunes each new set of compile-time shapes for minutes; inside the verifier's
 `verification_scope()`, FLA's autotuners are pinned to one configuration (`pinning`), which changes the
@@ -24,9 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import importlib.util
 import inspect
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 
 from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
 from kda.backends.fla.pinning import pinned_autotune
+from kda.backends.fla.route import route_state, triton_path_only
 from kda.spec import KDASpec
 
 _FLA_MODULE = "fla.ops.kda.chunk"
@@ -58,13 +59,6 @@ def fla_triton_chunk_kda() -> Any:
     return function
 
 
-def _tilelang_route_live() -> bool:
-    """Whether FLA would hand some inner KDA stages to TileLang in this process."""
-    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1" or os.environ.get("FLA_TILELANG", "1") == "0":
-        return False
-    return importlib.util.find_spec("tilelang") is not None
-
-
 class FLABackend(Backend):
     """flash-linear-attention's Triton `chunk_kda` (FLA >= 0.6), forward and backward."""
 
@@ -87,7 +81,7 @@ class FLABackend(Backend):
         return Verdict.yes()
 
     def fingerprint_extras(self) -> dict[str, str]:
-        return {"fla_tilelang_route": "live" if _tilelang_route_live() else "off"}
+        return {"fla_tilelang_route": route_state()}
 
     @contextlib.contextmanager
     def verification_scope(self) -> Iterator[None]:
@@ -104,12 +98,14 @@ class FLABackend(Backend):
         return Verdict.yes("FLA implements the whole contract on CUDA")
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
-        return _pinned_when_verified(self._forward, inputs, spec)
+        with triton_path_only():
+            return _pinned_when_verified(self._forward, inputs, spec)
 
     def backward(
         self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None
     ) -> KDAGradients:
-        return _pinned_when_verified(self._backward, inputs, spec, saved, do, dfinal_state)
+        with triton_path_only():
+            return _pinned_when_verified(self._backward, inputs, spec, saved, do, dfinal_state)
 
     def _forward(self, inputs: KDAInputs, spec: KDASpec) -> ForwardResult:
         run = fla_triton_chunk_kda()

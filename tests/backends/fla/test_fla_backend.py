@@ -8,6 +8,7 @@ reaches the inner function and never the wrapper, forward and backward, with the
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import types
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 import kda
 from kda.backends.base import KDAInputs, Verdict
-from kda.backends.fla import FLABackend, fla_triton_chunk_kda
+from kda.backends.fla import FLABackend, fla_triton_chunk_kda, route
 from kda.reference import kda_reference
 from kda.spec import KDASpec
 from kda.verify.check import relative_error
@@ -201,6 +202,88 @@ def test_unavailable_with_reasons(monkeypatch):
 def test_tilelang_route_is_part_of_the_fingerprint(monkeypatch):
     monkeypatch.setenv("FLA_TILELANG", "0")
     assert FLABackend().fingerprint_extras() == {"fla_tilelang_route": "off"}
+    monkeypatch.delenv("FLA_TILELANG")
+    monkeypatch.setattr(route, "tilelang_installed", lambda: True)
+    install_registry(monkeypatch)
+    assert FLABackend().fingerprint_extras() == {"fla_tilelang_route": "bypassed"}
+    monkeypatch.setitem(sys.modules, "fla.backends", types.ModuleType("fla.backends"))  # a later FLA's layout
+    assert FLABackend().fingerprint_extras() == {"fla_tilelang_route": "not bypassed"}
+
+
+class FakeRegistry:
+    """FLA 0.6's `BackendRegistry` as far as the adapter sees it: a dict of backends by type."""
+
+    def __init__(self) -> None:
+        self._backends: dict[str, object] = {"tilelang": object()}
+
+
+def install_registry(monkeypatch, where: str = "_operation_registries") -> FakeRegistry:
+    """A stand-in `fla.backends` whose `kda` registry offers TileLang, as FLA 0.6's does with tilelang."""
+    registry = FakeRegistry()
+    backends = types.ModuleType("fla.backends")
+    setattr(backends, where, {"kda": registry})
+    monkeypatch.setitem(sys.modules, "fla.backends", backends)
+    return registry
+
+
+# A dispatched stage as FLA 0.6 runs it: TileLang whenever the `kda` registry offers it. Here the
+# "TileLang" result is 5% off, so that a run which took it cannot pass verification.
+ROUTED_STAGES = STANDIN.replace(
+    'CALLS = {"inner": 0, "routed_elsewhere": 0}',
+    'CALLS = {"inner": 0, "routed_elsewhere": 0, "tilelang": 0}',
+).replace(
+    "    return (o * SCALE_OUTPUT).to(q.dtype), state",
+    textwrap.indent(
+        textwrap.dedent("""
+            import sys
+            def stage_scale():
+                registries = getattr(sys.modules.get("fla.backends"), "_operation_registries", None)
+                registries = registries or getattr(sys.modules.get("fla.backends"), "registries_moved", {})
+                if registries.get("kda") is not None and registries["kda"]._backends:
+                    CALLS["tilelang"] += 1
+                    return 1.05
+                return 1.0
+            o = o * stage_scale()  # a forward stage
+            if o.requires_grad:  # and a backward one, run while autograd walks the graph
+                o.register_hook(lambda grad: grad * stage_scale())
+            return (o * SCALE_OUTPUT).to(q.dtype), state
+        """),
+        "    ",
+    ),
+)
+assert "stage_scale" in ROUTED_STAGES
+
+
+def test_fla_runs_its_triton_path_with_tilelang_installed_and_leaves_fla_as_it_was(seed, monkeypatch):
+    """FLA hands dispatched stages to TileLang when its registry offers it; the adapter's calls must not,
+    forward or backward, and FLA's registry and the environment are as before once the call returns."""
+    module = install(monkeypatch, ROUTED_STAGES)
+    registry = install_registry(monkeypatch)
+    offered, environment = registry._backends, dict(os.environ)
+    kda.register_backend(CPUFLA, replace=True)
+    call = safe_call(requires_grad=True)
+    with kda.trace_routes() as routes:
+        o, state = kda.chunk_kda(**call, backend="fla")
+        grads = torch.autograd.grad([o, state], [call["q"], call["g"]], [torch.randn_like(o), torch.randn_like(state)])
+    assert [(r.backend, r.phase) for r in routes] == [("fla", "forward"), ("fla", "backward")]
+    assert module.CALLS["tilelang"] == 0 and module.CALLS["inner"] >= 2  # verification, then the call
+    assert registry._backends is offered and set(offered) == {"tilelang"}
+    assert dict(os.environ) == environment
+    _, o_ref, _ = reference(call)
+    assert relative_error(o, o_ref) < 1e-5 and all(torch.isfinite(g).all() for g in grads)
+    # Outside the adapter FLA is untouched: its own call takes the offered route.
+    inner = fla_triton_chunk_kda()
+    inner(**{n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in call.items()})
+    assert module.CALLS["tilelang"] == 1
+
+
+def test_verifier_catches_a_later_fla_whose_registry_the_adapter_cannot_find(seed, monkeypatch):
+    module = install(monkeypatch, ROUTED_STAGES)
+    install_registry(monkeypatch, where="registries_moved")
+    kda.register_backend(CPUFLA, replace=True)
+    with pytest.raises(kda.BackendSelectionError, match=r"rel\. error"):
+        kda.chunk_kda(**safe_call(), backend="fla")
+    assert module.CALLS["tilelang"] >= 1
 
 
 def test_pinning_gives_each_autotuner_one_config_and_puts_them_back(monkeypatch):

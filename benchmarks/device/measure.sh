@@ -30,7 +30,7 @@ SHAPES=${SHAPES:-$DENSE}
 SWEEP_SHAPE=${SWEEP_SHAPE:-B1_T8192_H96_D128}
 
 source .device/setup.sh
-export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache FLA_TILELANG=0
+export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache
 mkdir -p "$TRITON_CACHE_DIR" "$KDA_CACHE_DIR" "$OUT"
 if [ -f .device/state.tgz ] && [ ! -f /tmp/.kda-state-unpacked ]; then
   tar xzf .device/state.tgz -C /tmp && touch /tmp/.kda-state-unpacked

@@ -86,14 +86,16 @@ def cases_for(
         K = V = case_class.head_dim
         group = _GVA_GROUP if case_class.gva else 1
     H = _H
-    HV = H * group
 
-    def sized(regime: Regime, lengths: tuple[int, ...], batch: int = 2, **extra: Any) -> VerificationCase:
+    def sized(
+        regime: Regime, lengths: tuple[int, ...], batch: int = 2, heads: int = H, **extra: Any
+    ) -> VerificationCase:
         if case_class.varlen:
             B, seq_lens = 1, lengths
         else:
             B, seq_lens = batch, (lengths[0],) * batch
-        return VerificationCase(case_class, regime, B, H, HV, K, V, seq_lens, case_class.dtype, **extra)
+        HV = heads * group
+        return VerificationCase(case_class, regime, B, heads, HV, K, V, seq_lens, case_class.dtype, **extra)
 
     spanning = MIN_CHUNKS_SPANNED * C + 13
     realistic = sized("realistic", (spanning, C - 5, 17) if case_class.varlen else (spanning,))
@@ -112,7 +114,7 @@ def cases_for(
         cases += [extreme, variant]
     if long:
         long_T = LONG_T + 27  # a ragged tail at either chunk size
-        cases.append(sized("realistic", (long_T, C + 7) if case_class.varlen else (long_T,), batch=1))
+        cases.append(sized("realistic", (long_T, C + 7) if case_class.varlen else (long_T,), batch=1, heads=1))
     return cases
 
 

@@ -24,7 +24,7 @@ from kda.backends.base import Backend, KDAGradients, KDAInputs, KDAOutputs
 from kda.reference import kda_reference
 from kda.spec import CaseClass, KDASpec
 from kda.verify.cases import VerificationCase, cases_for, make_inputs
-from kda.verify.policy import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE, Assessment, assess, tolerance
+from kda.verify.policy import FP32_TOLERANCE, LONG_T, LOW_PRECISION_TOLERANCE, Assessment, assess, tolerance
 from kda.verify.records import Record, Source
 
 __all__ = [
@@ -62,7 +62,7 @@ def is_verifying() -> bool:
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64; inf when x has a NaN or inf (NaN never passes)."""
-    x64 = x.detach().to("cpu", torch.float64)
+    x64 = x.detach().to(ref.device, torch.float64)
     if x64.shape != ref.shape:
         return math.inf
     if not torch.isfinite(x64).all():
@@ -102,30 +102,34 @@ class CaseResult:
         }
 
 
-def _reference(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], training: bool):
-    """float64 outputs and (when training) gradients of the reference, on the CPU."""
+def _reference(
+    kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], training: bool, where: torch.device | str = "cpu"
+):
+    """float64 outputs and (when training) gradients of the reference, on `where` (the CPU, but for the
+    long case on CUDA: its token-by-token float64 recurrence takes minutes on a CPU, well under a second
+    on a GPU, and stays the same plain float64 arithmetic)."""
     leaves = {}
     ref_kwargs = {}
     for name, value in kwargs.items():
         if name in ("cu_seqlens_cpu", "chunk_size"):  # the recurrence has no chunks
             continue
         if isinstance(value, torch.Tensor) and name != "cu_seqlens":
-            value = value.detach().to("cpu", torch.float64)
+            value = value.detach().to(where, torch.float64)
             if training:
                 value.requires_grad_(True)
                 leaves[name] = value
         elif isinstance(value, torch.Tensor):
-            value = value.cpu()
+            value = value.to(where)
         ref_kwargs[name] = value
     with torch.enable_grad():
         o, state = kda_reference(**ref_kwargs)
     outputs = {"o": o.detach(), "final_state": None if state is None else state.detach()}
     grads: dict[str, torch.Tensor] = {}
     if training:
-        targets, seeds = [o], [upstream["do"].cpu().double()]
+        targets, seeds = [o], [upstream["do"].to(where, torch.float64)]
         if state is not None:
             targets.append(state)
-            seeds.append(upstream["dfinal_state"].cpu().double())
+            seeds.append(upstream["dfinal_state"].to(where, torch.float64))
         found = torch.autograd.grad(targets, list(leaves.values()), seeds, allow_unused=True)
         by_input = dict(zip(leaves.keys(), found))
         for grad_name, input_name in GRADIENT_OF.items():
@@ -172,7 +176,8 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
     if not verdict:
         return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))
 
-    ref_out, ref_grads = _reference(kwargs, upstream, cc.training)
+    long = case.T >= LONG_T and device.type == "cuda"
+    ref_out, ref_grads = _reference(kwargs, upstream, cc.training, device if long else "cpu")
     fields: dict[str, Any] = {n: kwargs.get(n) for n in KDAInputs.__dataclass_fields__ if n in kwargs}
     inputs = KDAInputs(**fields)
     # What the backend is handed and must leave alone: the inputs, and the upstream gradients of backward.

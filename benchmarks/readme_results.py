@@ -97,7 +97,30 @@ def mode_table(rows: list[dict[str, Any]], mode: str) -> list[str]:
             + " | ".join(_cell(cells.get(b)) for b in backends)
             + f" | {', '.join(dates)} |"
         )
+    gap = auto_gap(mine)
+    if gap is not None:
+        worst, shape = gap
+        lines += [
+            "",
+            f"`auto` against the fastest verified kda backend at each shape: at most {100 * worst:+.1f}% ({shape}).",
+        ]
     return lines
+
+
+def auto_gap(rows: list[dict[str, Any]]) -> tuple[float, str] | None:
+    """The largest relative excess of `auto`'s time over the fastest kda backend (not a baseline) that ran
+    at the same shape, and where: how close kda's choice came to the best it could have made."""
+    worst: tuple[float, str] | None = None
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        here = [r for r in rows if r["shape"] == shape and r["status"] == "ok" and r.get("median_ms")]
+        auto = next((r for r in here if r["kind"] == "auto"), None)
+        chosen = [r["median_ms"] for r in here if r["kind"] == "kda"]
+        if auto is None or not chosen:
+            continue
+        excess = auto["median_ms"] / min(chosen) - 1
+        if worst is None or excess > worst[0]:
+            worst = (excess, shape)
+    return worst
 
 
 def verify_lines(report: dict[str, Any]) -> list[str]:

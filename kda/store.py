@@ -123,6 +123,15 @@ def write_json_atomic(path: Path, payload: Any, default: Callable[[Any], Any] | 
         raise
 
 
+def probe_writable(directory: Path) -> None:
+    """Make `directory` if absent and write and remove a scratch file in it; OSError when that fails (for
+    a command whose job is to write there, to stop before its work rather than lose it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(dir=directory, prefix=".probe-", suffix=".tmp")
+    os.close(fd)
+    os.unlink(scratch)
+
+
 def read_json(path: Path) -> Any:
     """The parsed contents of `path`, or None when it is missing, unreadable, not a regular file, or not
     JSON (nested too deeply included). Never blocks: the open does not wait for a FIFO's writer."""

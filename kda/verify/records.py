@@ -173,6 +173,10 @@ class RecordStore:
             self._memo.pop(path, None)
             self.generation += 1
 
+    def unsaved(self) -> list[Path]:
+        """The record files whose records this process keeps in memory only (their writes failed)."""
+        return sorted(self._unsaved)
+
     def _read(self, path: Path, use_memo: bool = True) -> dict[str, Record]:
         records = self._read_file(path, use_memo)
         unsaved = self._unsaved.get(path)

@@ -25,6 +25,7 @@ import kda
 from kda import dispatch, registry
 from kda.backends.torch import TorchBackend
 from kda.verify import cli
+from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import default_store
 
 # fla, flashkda and triton are built in, and unavailable on a machine without their packages or a GPU; the
@@ -325,6 +326,36 @@ def test_available_or_supports_that_exit_are_a_no_not_the_end(seed):
     kda.register_backend(InterruptedInAvailable)
     with pytest.raises(KeyboardInterrupt):
         kda.chunk_kda(**call)
+
+
+class ExitsWhenGraded(TorchBackend):
+    """Supports every call, but its supports() exits (or raises) for the verifier's own cases."""
+
+    name = "exits_when_graded"
+    priority = 60
+    error: BaseException = SystemExit(5)
+
+    def supports(self, spec):
+        if in_verification():
+            raise self.error
+        return kda.Verdict.yes()
+
+
+@pytest.mark.parametrize("error", [SystemExit(5), RuntimeError("no such case")], ids=["exit", "exception"])
+def test_supports_that_raises_inside_verification_fails_the_check_not_the_call(seed, error):
+    """Regression: the verifier asks supports() again for each case it runs; there a raise (sys.exit, or
+    any exception) went through the lazy check and ended the call. Now the case fails with the exception as
+    the reason, the backend is unverified for the class, and the call runs on torch."""
+    backend = ExitsWhenGraded()
+    backend.error = error
+    kda.register_backend(backend)
+    call = inputs()
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call)
+    assert [r.backend for r in routes] == ["torch"]
+    record = default_store().get(backend, "cpu", kda.KDASpec.from_call(**call).case_class.key)
+    assert record is not None and not record.passed
+    assert f"supports() raised {type(error).__name__}" in record.reason
 
 
 def test_broken_entry_point_alone_leaves_torch_working(seed, plugin_dir):

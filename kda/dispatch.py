@@ -172,7 +172,9 @@ def _consider(backend: Backend, spec: KDASpec, mode: str) -> Consideration:
         supports = backend.supports(spec)
         if not isinstance(supports, Verdict):
             supports = Verdict.no(f"supports() returned {type(supports).__name__}, not a Verdict")
-    except Exception as error:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # sys.exit in a plugin included: a "no", never the caller's end
         supports = Verdict.no(f"supports() raised {type(error).__name__}: {error}")
     checks["supports"] = supports
     if not supports:

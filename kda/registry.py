@@ -6,7 +6,9 @@ Third-party packages add backends through the ``kda.backends`` entry-point group
     mykernels = "mypkg.kda_backend:MyBackend"
 
 Entry points are loaded once, on the first look at the registry. One that fails to load does not break
-`kda`: it shows up as a backend that is unavailable, with the import error as its reason.
+`kda`: it shows up as a backend that is unavailable, with the import error as its reason. That holds
+for any exception, SystemExit (a plugin that calls ``sys.exit``) and other BaseExceptions included; only
+KeyboardInterrupt goes through, since it is the user's.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ def _ensure_defaults() -> None:
                 if getattr(backend, "name", None) in _backends:
                     raise ValueError(f"{entry.value} takes the name {backend.name!r} of a registered backend")
                 _add(backend, replace=False)
-            except Exception as error:  # a broken plugin must not break kda; it is reported instead
+            except KeyboardInterrupt:
+                raise
+            except BaseException as error:  # a broken plugin (even one that exits) must not break kda: reported
                 logger.warning("kda: backend entry point %r failed to load: %s", entry.name, error)
                 stand_in = entry.name if entry.name not in _backends else f"{entry.name} (entry point)"
                 if stand_in not in _backends:
@@ -136,7 +140,8 @@ def registered_backends() -> list[Backend]:
 
 def availability(backend: Backend) -> Verdict:
     """`backend.available()`, computed once per registration (imports can be slow); an exception inside
-    `available()` counts as unavailable, with the exception as the reason."""
+    `available()` (SystemExit too; KeyboardInterrupt propagates) counts as unavailable, with the exception
+    as the reason."""
     with _lock:
         cached = _availability.get(backend.name)
         if cached is not None and _backends.get(backend.name) is backend:
@@ -145,7 +150,9 @@ def availability(backend: Backend) -> Verdict:
         verdict = backend.available()
         if not isinstance(verdict, Verdict):
             verdict = Verdict.no(f"available() returned {type(verdict).__name__}, not a Verdict")
-    except Exception as error:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # sys.exit in a plugin included: a "no", never the caller's end
         verdict = Verdict.no(f"available() raised {type(error).__name__}: {error}")
     with _lock:
         if _backends.get(backend.name) is backend:

@@ -14,12 +14,15 @@ then orders the usable backends of an ``auto`` call by the timings measured at t
 
 A table records the kda, torch, triton, fla and flash_kda versions and the GPU it was measured with; one
 made under other versions is ignored (re-run ``--tune``). A timing for a backend whose version has since
-changed is ignored too. An unreadable or malformed table counts as no table: it never breaks a call.
+changed is ignored too. An unreadable or malformed table (or no regular file) counts as no table: it
+never breaks a call. A table that cannot be written (an unwritable cache) is kept in memory for the
+process, with one warning.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 from dataclasses import asdict, dataclass, field
@@ -198,6 +201,9 @@ def _parse(path: Path, expected: dict[str, Any]) -> TimingTable | None:
 
 _memo: dict[Path, tuple[int, TimingTable | None]] = {}
 _memo_lock = threading.Lock()
+# Tables that `record` could not write (an unwritable cache), kept for this process, with a stamp each.
+_unsaved: dict[Path, tuple[int, TimingTable]] = {}
+_unsaved_stamps = itertools.count(1)
 
 
 def load(device: torch.device | str) -> TimingTable | None:
@@ -207,6 +213,9 @@ def load(device: torch.device | str) -> TimingTable | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     path = _path_for(device)
+    kept = _unsaved.get(path)
+    if kept is not None:
+        return kept[1]
     try:
         stamp = path.stat().st_mtime_ns
     except OSError:
@@ -225,25 +234,45 @@ def stamp(device: torch.device | str, root: Path | None = None) -> int | None:
     """Changes whenever the table for `device` changes (part of the dispatcher's cache key). `root`: the
     cache directory when the caller has just read it (`auto` does on every call; reading the environment
     again costs a few microseconds)."""
+    path = _path_in(root if root is not None else disk.cache_root(), str(device))
+    if _unsaved:
+        kept = _unsaved.get(path)
+        if kept is not None:
+            return -kept[0]  # never an mtime
     try:
-        return _path_in(root if root is not None else disk.cache_root(), str(device)).stat().st_mtime_ns
+        return path.stat().st_mtime_ns
     except OSError:
         return None
 
 
 def record(device: torch.device | str, shape: str, point: ShapePoint, timings: dict[str, Measurement]) -> Path:
     """Merge timings measured at one shape into the table for `device` (made fresh if stale or absent).
-    Safe against concurrent writers (lock file, re-read, atomic replace)."""
+    Safe against concurrent writers (lock file, re-read, atomic replace). When the table cannot be written
+    (an unwritable cache), it is kept in memory for this process, where `load` and `auto` use it, with
+    one warning."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     path = _path_for(device)
-    path.parent.mkdir(parents=True, exist_ok=True)
     expected = table_fingerprint(device)
-    with disk.file_lock(path.with_suffix(".lock")):
-        table = _parse(path, expected) or TimingTable(path, expected)
+    with _memo_lock:
+        kept = _unsaved.get(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with disk.file_lock(path.with_suffix(".lock")):
+            table = _parse(path, expected) or TimingTable(path, expected)
+            for entry in kept[1].entries if kept is not None else []:  # measured here, not saved before
+                table.record(entry.shape, entry.point, entry.timings)
+            table.record(shape, point, timings)
+            disk.write_json_atomic(path, table.as_json())
+        with _memo_lock:
+            _unsaved.pop(path, None)
+    except OSError as error:
+        table = kept[1] if kept is not None else _parse(path, expected) or TimingTable(path, expected)
         table.record(shape, point, timings)
-        disk.write_json_atomic(path, table.as_json())
+        with _memo_lock:
+            _unsaved[path] = (next(_unsaved_stamps), table)
+        disk.warn_unsaved("timing table", path, error)
     return path
 
 

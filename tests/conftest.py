@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 
 import pytest
 import torch
@@ -63,3 +64,34 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def returns_within():
+    """``returns_within(fn, seconds, unblock=None)``: run `fn` in a thread and return what it returns; when
+    it has not returned after `seconds`, call `unblock` (to free the thread) a while, and fail, so that a
+    call that hangs fails its test instead of hanging the suite."""
+
+    def run(fn, seconds: float = 30.0, unblock=None):
+        outcome: dict = {}
+
+        def target():
+            try:
+                outcome["value"] = fn()
+            except BaseException as error:  # re-raised in the test's thread
+                outcome["error"] = error
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            for _ in range(100):  # free the thread (it may block more than once), so that it holds no lock
+                if unblock is not None:
+                    unblock()
+                thread.join(0.1)
+            pytest.fail(f"did not return within {seconds:g} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return run

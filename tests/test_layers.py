@@ -8,7 +8,7 @@ against the allowed arrows below, so that a lower layer never imports a higher o
     timings   ->  store, spec, config
     registry  ->  backends.*
     backends.*  ->  kda.backends.*, kda.spec, kda.reference, kda.errors, kda.config only
-    workloads, store, options, spec, errors, config, reference, _version: the bottom
+    workloads, store, options, spec, errors, config, reference, cliargs, _version: the bottom
 """
 
 from __future__ import annotations
@@ -21,7 +21,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kda"
 
-BOTTOM = {"kda.store", "kda.options", "kda.spec", "kda.errors", "kda.config", "kda.reference", "kda._version"}
+BOTTOM = {
+    "kda.store",
+    "kda.options",
+    "kda.spec",
+    "kda.errors",
+    "kda.config",
+    "kda.reference",
+    "kda._version",
+    "kda.cliargs",
+}
 
 
 def layer_of(module: str) -> str:

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 import kda
 from kda import dispatch, registry
+from kda.backends.torch import TorchBackend
 from kda.verify import cli
+from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import default_store
 
 # fla, flashkda and triton are built in, and unavailable on a machine without their packages or a GPU; the
@@ -212,6 +214,26 @@ BROKEN = {
         "Fussy",
         "RuntimeError: CUDA driver too old",
     ),
+    # Regression: anything but an Exception (sys.exit at import, a BaseException of the plugin's own) went
+    # through the registry and ended the caller's process on its first chunk_kda.
+    "sys-exit-at-import": ("import sys\nsys.exit(3)\n", "Backend", "SystemExit: 3"),
+    "generator-exit-at-import": ('raise GeneratorExit("closed early")\n', "Backend", "GeneratorExit: closed early"),
+    "own-base-exception-at-import": (
+        'class LicenceAbort(BaseException):\n    pass\nraise LicenceAbort("no licence")\n',
+        "Backend",
+        "LicenceAbort: no licence",
+    ),
+    "constructor-exits": (
+        PLUGIN_SOURCE
+        + textwrap.dedent("""
+        class Quitter(PluginBackend):
+            name = "quitter"
+            def __init__(self):
+                sys.exit("no GPU, giving up")
+        """),
+        "Quitter",
+        "SystemExit: no GPU, giving up",
+    ),
 }
 
 
@@ -249,6 +271,91 @@ def test_broken_entry_point_is_reported_not_fatal(seed, plugin_dir, caplog, kind
         kda.chunk_kda(**call, backend="broken")
     assert routes == []
     assert reason in str(error.value)
+
+
+def test_keyboard_interrupt_in_a_plugin_still_interrupts(plugin_dir):
+    """Ctrl-C while a plugin imports is the user's, not the plugin's: it reaches the caller."""
+    install(plugin_dir, {"slow": "mod:Backend"}, {"mod": "raise KeyboardInterrupt\n"})
+    with pytest.raises(KeyboardInterrupt):
+        kda.registered_backends()
+
+
+class LicenceAbort(BaseException):
+    """What a plugin might raise that is no Exception."""
+
+
+class ExitsInAvailable(TorchBackend):
+    name = "exits_in_available"
+    priority = 60
+
+    def available(self):
+        sys.exit(4)
+
+
+class AbortsInSupports(TorchBackend):
+    name = "aborts_in_supports"
+    priority = 70
+
+    def supports(self, spec):
+        raise LicenceAbort("no licence")
+
+
+class InterruptedInAvailable(TorchBackend):
+    name = "interrupted"
+    priority = 80
+
+    def available(self):
+        raise KeyboardInterrupt
+
+
+def test_available_or_supports_that_exit_are_a_no_not_the_end(seed):
+    """Regression: a backend whose available() called sys.exit, or whose supports() raised a BaseException,
+    ended the process on the first auto call (dispatch and the registry caught only Exception). Now each is a
+    "no" with the exception as the reason; KeyboardInterrupt still propagates."""
+    kda.register_backend(ExitsInAvailable)
+    kda.register_backend(AbortsInSupports)
+    call = inputs()
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call)
+    assert [r.backend for r in routes] == ["torch"]
+    assert "exits_in_available" not in kda.available_backends()
+    reasons = kda.explain(**call).decision.reasons()
+    assert any("available() raised SystemExit: 4" in r for r in reasons["exits_in_available"]), reasons
+    assert any("supports() raised LicenceAbort: no licence" in r for r in reasons["aborts_in_supports"]), reasons
+
+    kda.register_backend(InterruptedInAvailable)
+    with pytest.raises(KeyboardInterrupt):
+        kda.chunk_kda(**call)
+
+
+class ExitsWhenGraded(TorchBackend):
+    """Supports every call, but its supports() exits (or raises) for the verifier's own cases."""
+
+    name = "exits_when_graded"
+    priority = 60
+    error: BaseException = SystemExit(5)
+
+    def supports(self, spec):
+        if in_verification():
+            raise self.error
+        return kda.Verdict.yes()
+
+
+@pytest.mark.parametrize("error", [SystemExit(5), RuntimeError("no such case")], ids=["exit", "exception"])
+def test_supports_that_raises_inside_verification_fails_the_check_not_the_call(seed, error):
+    """Regression: the verifier asks supports() again for each case it runs; there a raise (sys.exit, or
+    any exception) went through the lazy check and ended the call. Now the case fails with the exception as
+    the reason, the backend is unverified for the class, and the call runs on torch."""
+    backend = ExitsWhenGraded()
+    backend.error = error
+    kda.register_backend(backend)
+    call = inputs()
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call)
+    assert [r.backend for r in routes] == ["torch"]
+    record = default_store().get(backend, "cpu", kda.KDASpec.from_call(**call).case_class.key)
+    assert record is not None and not record.passed
+    assert f"supports() raised {type(error).__name__}" in record.reason
 
 
 def test_broken_entry_point_alone_leaves_torch_working(seed, plugin_dir):

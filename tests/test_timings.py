@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,3 +163,66 @@ def test_record_merges_measurements_at_the_same_point():
     table = timings.load("cpu")
     assert table is not None and len(table.entries) == 2
     assert set(table.entries[0].timings) == {"torch", "faster"}
+
+
+# ------------------------------------------------------------------- hostile cache contents, unwritable cache
+
+
+def _table_path() -> Path:
+    return timings._path_for(torch.device("cpu"))
+
+
+def _free_fifo_reader(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "deeply-nested-json"])
+def test_hostile_table_file_never_breaks_or_hangs_an_auto_call(seed, kind, returns_within):
+    """Regression: an `auto` call with two usable backends reads the timing table; a FIFO there blocked the
+    call for good, and a deeply nested JSON file ended it with RecursionError. Either counts as no table."""
+    kda.register_backend(Faster)
+    path = _table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    inputs = call()
+
+    def auto_call():
+        with kda.trace_routes() as routes:  # routes are traced per thread
+            o, _ = kda.chunk_kda(**inputs)
+        return o, routes
+
+    o, routes = returns_within(auto_call, unblock=lambda: _free_fifo_reader(path))
+    assert [r.backend for r in routes] == ["torch"]  # no table: priority decides
+    torch.testing.assert_close(o, kda.chunk_kda(**inputs, backend="torch")[0], rtol=0, atol=0)
+    assert timings.load("cpu") is None
+
+
+def test_unwritable_cache_keeps_the_table_in_memory_and_warns_once(seed, tmp_path, monkeypatch):
+    """Regression: `timings.record` (what `python -m kda.bench --tune` writes with) raised OSError when the
+    cache could not be written. Now the table lives in memory for the process, `auto` ranks by it, and one
+    RuntimeWarning names the path."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KDA_CACHE_DIR", str(blocker / "kda-cache"))
+    kda.register_backend(Faster)
+    spec = kda.KDASpec.from_call(**call())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"torch": Measurement(2.0, TORCH_VERSION)})
+        with kda.trace_routes() as routes:
+            kda.chunk_kda(**call())
+        timings.record("cpu", "tiny / fwd", ShapePoint.of(spec), {"faster": Measurement(1.0, "3")})
+        with kda.trace_routes() as later:
+            kda.chunk_kda(**call())
+    unsaved = [str(w.message) for w in caught if "timing table not saved" in str(w.message)]
+    assert all(issubclass(w.category, RuntimeWarning) for w in caught)
+    assert len(unsaved) == 1 and str(_table_path()) in unsaved[0], unsaved
+    assert [r.backend for r in routes] == ["torch"]
+    assert [r.backend for r in later] == ["faster"]  # the table in memory, merged, ranks the call
+    table = timings.load("cpu")
+    assert table is not None and set(table.entries[0].timings) == {"torch", "faster"}
+    assert not _table_path().parent.exists()

@@ -34,15 +34,17 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kda import registry
+from kda import cliargs, registry, store
 from kda.bench import results
 from kda.bench.runner import BASELINES, BenchConfig, Row, run
 from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape
 
+PROG = "python -m kda.bench"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kda.bench",
+        prog=PROG,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -139,8 +141,42 @@ def _check_names(args: argparse.Namespace, err: Console) -> bool:
     return True
 
 
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What makes these arguments unusable (checked before any work), or None."""
+    reads = [("--chart", args.chart)] if args.chart is not None else []
+    reads += [("--merge", path) for path in args.merge or []]
+    for option, path in reads:
+        problem = cliargs.input_file_problem(option, path)
+        if problem:
+            return problem
+    if args.device is not None and (problem := cliargs.device_problem(args.device)):
+        return problem
+    if args.out is not None and (problem := cliargs.output_dir_problem("--out", args.out)):
+        return problem
+    if args.tune and not (args.chart or args.merge or args.list_shapes):
+        folder = store.cache_root() / "timings"
+        try:
+            store.probe_writable(folder)
+        except OSError as error:
+            why = f"{type(error).__name__}: {error}"
+            return f"--tune: cannot write the timing table in {folder} ({why}); set KDA_CACHE_DIR to a writable folder"
+    return None
+
+
+def _read_results(option: str, path: Path) -> dict | str:
+    """A results.json file's contents, or what is wrong with it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as error:
+        return f"{option} {path}: not a results.json ({type(error).__name__}: {error})"
+    return data if isinstance(data, dict) else f"{option} {path}: not a results.json (no JSON object)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = _usage_problem(args)
+    if problem:
+        return cliargs.usage_error(PROG, problem)
     out = Console(soft_wrap=True)
     err = Console(stderr=True)
     if args.list_shapes:
@@ -148,12 +184,18 @@ def main(argv: list[str] | None = None) -> int:
             out.print(name)
         return 0
     if args.chart is not None:
-        data = json.loads(args.chart.read_text())
+        data = _read_results("--chart", args.chart)
+        if isinstance(data, str):
+            return cliargs.usage_error(PROG, data)
         paths = results.write(data, args.chart.parent)
         out.print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return 0
     if args.merge:
-        return _merge(args.merge, args.out, out, err)
+        parts = [_read_results("--merge", path) for path in args.merge]
+        bad = next((part for part in parts if isinstance(part, str)), None)
+        if bad is not None:
+            return cliargs.usage_error(PROG, bad)
+        return _merge(args.merge, parts, args.out, out, err)  # type: ignore[arg-type]
     if not _check_names(args, err):
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -290,8 +332,7 @@ def compile_groups(shapes: list[str], jobs: int) -> list[list[str]]:
     return [sorted(share, key=position.__getitem__) for share in shares if share]
 
 
-def _merge(paths: list[Path], out_dir: Path | None, out: Console, err: Console) -> int:
-    parts = [json.loads(p.read_text()) for p in paths]
+def _merge(paths: list[Path], parts: list[dict], out_dir: Path | None, out: Console, err: Console) -> int:
     first = parts[0]
     mixed = results.mixed_runs(parts)
     if mixed is not None:

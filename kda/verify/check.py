@@ -172,7 +172,13 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         return CaseResult(
             case, passed=False, unsupported=True, reason="forward-only backend; the class needs gradients"
         )
-    verdict = backend.supports(spec)
+    try:
+        verdict = backend.supports(spec)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # sys.exit in a plugin included: the case fails, the caller goes on
+        reason = f"supports() raised {type(error).__name__}: {error}"
+        return CaseResult(case, passed=False, reason=reason, problems=[reason])
     if not verdict:
         return CaseResult(case, passed=False, unsupported=True, reason="; ".join(verdict.reasons))
 

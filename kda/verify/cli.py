@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kda import registry
+from kda import cliargs, registry
 from kda._version import __version__
 from kda.spec import CaseClass
 from kda.verify.cases import full_grid
@@ -35,9 +35,11 @@ from kda.verify.check import ClassResult, verify_class
 from kda.verify.records import default_store, fingerprint, fingerprint_id
 from kda.workloads import DEFAULT_SHAPES, MODES, case_class_keys
 
+PROG = "python -m kda.verify"
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kda.verify", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="verify every registered backend (the default)")
     parser.add_argument(
         "--backend", action="append", default=[], metavar="NAME", help="verify this backend (repeatable)"
@@ -86,8 +88,22 @@ def _entry(name: str, r: ClassResult) -> dict[str, Any]:
     }
 
 
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What makes these arguments unusable (checked before any work), or None."""
+    if args.device is not None and (problem := cliargs.device_problem(args.device)):
+        return problem
+    if args.json is not None and (problem := cliargs.output_file_problem("--json", Path(args.json))):
+        return problem
+    if args.work_dir is not None and (problem := cliargs.output_dir_problem("--work-dir", args.work_dir)):
+        return problem
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = _usage_problem(args)
+    if problem:
+        return cliargs.usage_error(PROG, problem)
     out = Console(soft_wrap=True)
     err = Console(stderr=True)
     if args.list_cases:
@@ -181,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     checked = sum(1 for e in entries if e["status"] != "unsupported")
     named_unavailable = [n for n in unavailable if n in args.backend]
     ok = not failures and not named_unavailable
+    folder = store.root / "verification"
+    where = f"records NOT saved ({folder} cannot be written)" if store.unsaved() else f"records in {folder}"
     out.print(
         f"{checked - len(failures)} passed, {len(failures)} failed "
-        f"({len(runnable)} backend(s), {len(classes)} case classes, {elapsed:.1f}s); "
-        f"records in {store.root / 'verification'}"
+        f"({len(runnable)} backend(s), {len(classes)} case classes, {elapsed:.1f}s); {where}"
     )
     if named_unavailable:
         out.print(f"[red]requested backend(s) unavailable: {', '.join(named_unavailable)}[/red]")

@@ -8,8 +8,9 @@ fingerprint has no records, so after any upgrade every backend starts unverified
 Storage: one JSON file per (backend, fingerprint) under ``<KDA_CACHE_DIR>/verification/``. Writers take
 an exclusive lock on a side file, re-read, merge and replace the file atomically, so concurrent
 processes never lose or corrupt each other's records (the lock, the atomic write and the tolerant read
-are `kda.store`'s). A file that cannot be read or parsed counts as
-no records at all: it never breaks a call, and the next write replaces it.
+are `kda.store`'s). A file that cannot be read or parsed (or is no regular file) counts as no records at
+all: it never breaks a call, and the next write replaces it. A write that fails (an unwritable cache)
+keeps the records in memory for the process, with one warning.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class RecordStore:
         self._memo: dict[Path, tuple[int, dict[str, Record]]] = {}
         self._paths: dict[tuple, Path] = {}
         self._expected: dict[Path, Any] = {}  # path -> the fingerprint its file must hold, as JSON reads it
+        self._unsaved: dict[Path, dict[str, Record]] = {}  # records a failed write kept in memory
         self._lock = threading.Lock()
         self.generation = 0  # bumped on every write by this process
 
@@ -148,21 +150,41 @@ class RecordStore:
         return self.load(backend, device).get(case_key)
 
     def put(self, backend: Backend, device: torch.device | str, records: list[Record]) -> None:
+        """Store `records` (merged with those on disk). When the file cannot be written (an unwritable
+        cache, a directory or FIFO in the way), they are kept in memory for this process instead, with
+        one warning: the caller goes on, and does not verify the same class again."""
         path = self.path_for(backend, device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock, disk.file_lock(path.with_suffix(".lock")):
-            current = self._read(path, use_memo=False)
-            for record in records:
-                current[record.case_class] = record
-            payload = {
-                "fingerprint": fingerprint(backend, device),
-                "records": {key: rec.as_json() for key, rec in sorted(current.items())},
-            }
-            disk.write_json_atomic(path, payload, default=_json_default)
+        with self._lock:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with disk.file_lock(path.with_suffix(".lock")):
+                    current = self._read(path, use_memo=False)
+                    for record in records:
+                        current[record.case_class] = record
+                    payload = {
+                        "fingerprint": fingerprint(backend, device),
+                        "records": {key: rec.as_json() for key, rec in sorted(current.items())},
+                    }
+                    disk.write_json_atomic(path, payload, default=_json_default)
+                self._unsaved.pop(path, None)  # written, with any kept in memory before
+            except OSError as error:
+                self._unsaved[path] = {**self._unsaved.get(path, {}), **{r.case_class: r for r in records}}
+                disk.warn_unsaved("verification records", path, error)
             self._memo.pop(path, None)
             self.generation += 1
 
+    def unsaved(self) -> list[Path]:
+        """The record files whose records this process keeps in memory only (their writes failed)."""
+        return sorted(self._unsaved)
+
     def _read(self, path: Path, use_memo: bool = True) -> dict[str, Record]:
+        records = self._read_file(path, use_memo)
+        unsaved = self._unsaved.get(path)
+        if unsaved:
+            records.update(unsaved)  # this process's newer records, which the file could not take
+        return records
+
+    def _read_file(self, path: Path, use_memo: bool) -> dict[str, Record]:
         try:
             stamp = path.stat().st_mtime_ns
         except OSError:

@@ -336,6 +336,73 @@ def test_merge_joins_runs_of_one_gpu_and_refuses_others(tmp_path):
     assert cli.main(["--merge", str(a), str(c), "--out", str(tmp_path / "n")]) == 2
 
 
+def _a_file(tmp_path: Path, text: str = "not a directory") -> Path:
+    path = tmp_path / "a-file"
+    path.write_text(text)
+    return path
+
+
+def _unwritable_cache(tmp_path: Path, monkeypatch) -> list[str]:
+    monkeypatch.setenv("KDA_CACHE_DIR", str(_a_file(tmp_path) / "kda-cache"))
+    return ["--tune"]
+
+
+BAD_USAGE = {
+    "chart-missing": lambda tmp, mp: ["--chart", str(tmp / "missing" / "results.json")],
+    "chart-is-a-directory": lambda tmp, mp: ["--chart", str(tmp)],
+    "chart-not-json": lambda tmp, mp: ["--chart", str(_a_file(tmp, "{not json"))],
+    "merge-missing": lambda tmp, mp: ["--merge", str(tmp / "missing.json")],
+    "merge-is-a-directory": lambda tmp, mp: ["--merge", str(tmp)],
+    "out-is-a-file": lambda tmp, mp: ["--out", str(_a_file(tmp))],
+    "out-under-a-file": lambda tmp, mp: ["--out", str(_a_file(tmp) / "bench")],
+    "device-bogus": lambda tmp, mp: ["--device", "bogus"],
+    "device-malformed-index": lambda tmp, mp: ["--device", "cuda:x"],
+    "device-cuda-index-beyond-count": lambda tmp, mp: ["--device", f"cuda:{torch.cuda.device_count()}"],
+    "tune-with-an-unwritable-cache": _unwritable_cache,
+}
+
+
+def _refuse_work(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("work started despite bad usage")
+
+    for name in ("run", "_run_jobs", "_merge"):
+        monkeypatch.setattr(cli, name, refuse)
+    monkeypatch.setattr(cli.results, "write", refuse)
+    monkeypatch.setattr(cli.results, "write_so_far", refuse)
+
+
+def check_usage_error(code: int, err: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("python -m kda.bench: error: "), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_USAGE))
+def test_bad_paths_devices_and_caches_are_usage_errors_before_any_work(kind, tmp_path, capsys, monkeypatch):
+    """Regression: a missing --chart file, an --out that is a file, a --device torch cannot parse or that is
+    not here, or --tune with a cache that cannot be written printed a traceback and exited 1 (some only
+    after benchmarking). Now: exit 2, one line on stderr, nothing run or written."""
+    _refuse_work(monkeypatch)
+    args = BAD_USAGE[kind](tmp_path, monkeypatch)
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "bench")]
+    base = ["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--backend", "torch", "--cold-start", "none"]
+    code = cli.main([*base, "--rounds", "1", "--rep-ms", "5", "--warmup-ms", "1", *args])
+    check_usage_error(code, capsys.readouterr().err)
+    assert not (tmp_path / "bench").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    _refuse_work(monkeypatch)
+    code = cli.main(["--shape", "B1_T20_H1_D8", "--device", "cuda", "--out", str(tmp_path / "bench")])
+    err = capsys.readouterr().err
+    check_usage_error(code, err)
+    assert "CUDA" in err
+
+
 def test_jobs_keep_compile_groups_together_and_balance_them():
     shares = cli.compile_groups(DEFAULT_SHAPES, 4)
     assert len(shares) == 4 and sorted(s for share in shares for s in share) == sorted(DEFAULT_SHAPES)

@@ -219,6 +219,72 @@ def test_cli_bad_flag_is_usage_error(capsys):
     assert exit_info.value.code == 2
 
 
+def _refuse_work(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("verification started despite bad usage")
+
+    monkeypatch.setattr(cli, "verify_class", refuse)
+    monkeypatch.setattr(cli, "_run_jobs", refuse)
+
+
+def _a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    return path
+
+
+BAD_USAGE = {
+    "json-in-a-missing-folder": lambda tmp: ["--json", str(tmp / "missing" / "x.json")],
+    "json-is-a-directory": lambda tmp: ["--json", str(tmp)],
+    "json-under-a-file": lambda tmp: ["--json", str(_a_file(tmp) / "x.json")],
+    "work-dir-under-a-file": lambda tmp: ["--jobs", "2", "--work-dir", str(_a_file(tmp) / "work")],
+    "device-bogus": lambda tmp: ["--device", "bogus"],
+    "device-malformed-index": lambda tmp: ["--device", "cuda:x"],
+    "device-cuda-index-beyond-count": lambda tmp: ["--device", f"cuda:{torch.cuda.device_count()}"],
+}
+
+
+def check_usage_error(code: int, err: str, prog: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_USAGE))
+def test_cli_bad_paths_and_devices_are_usage_errors_before_any_work(kind, tmp_path, capsys, monkeypatch):
+    """Regression: a --json path in a missing folder or naming a directory, or a --device torch cannot parse
+    or that is not here, printed a traceback and exited 1 (some only after verifying). Now: exit 2, one
+    line on stderr, nothing verified."""
+    _refuse_work(monkeypatch)
+    code = cli.main(["--backend", "torch", "--case", CHEAP, "--quick", *BAD_USAGE[kind](tmp_path)])
+    check_usage_error(code, capsys.readouterr().err, "python -m kda.verify")
+    assert not (Path(os.environ["KDA_CACHE_DIR"]) / "verification").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cli_cuda_without_cuda_is_a_usage_error(capsys, monkeypatch):
+    _refuse_work(monkeypatch)
+    code = cli.main(["--backend", "torch", "--case", CHEAP, "--quick", "--device", "cuda"])
+    err = capsys.readouterr().err
+    check_usage_error(code, err, "python -m kda.verify")
+    assert "CUDA" in err
+
+
+def test_cli_with_an_unwritable_cache_verifies_and_says_the_records_are_not_saved(tmp_path, capsys, monkeypatch):
+    """Regression: the first record write raised NotADirectoryError, a traceback after the first class. Now
+    the run completes (one warning), and its summary says where the records could not go."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KDA_CACHE_DIR", str(blocker / "kda-cache"))
+    with pytest.warns(RuntimeWarning, match="verification records not saved"):
+        code = cli.main(["--backend", "torch", "--case", CHEAP, "--case", CHEAP_2, "--quick", "--device", "cpu"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "2 passed, 0 failed" in out and "records NOT saved" in out
+    assert default_store().get(kda.get_backend("torch"), "cpu", CHEAP).source == "verify"  # in memory
+
+
 def test_list_cases_round_trips(capsys):
     assert cli.main(["--list-cases"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]

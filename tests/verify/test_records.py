@@ -7,12 +7,14 @@ writers in several processes must never lose each other's records.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import itertools
 import json
 import math
 import multiprocessing
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import kda
+from kda import dispatch
 from kda.backends.torch import TorchBackend
 from kda.spec import CaseClass, GateMode
 from kda.verify import cli
@@ -432,6 +435,157 @@ def test_corrupt_file_is_overwritten_by_the_next_put(tmp_path):
     assert list(data["records"]) == [KEYS[0]]
     assert store.get(backend, "cpu", KEYS[0]).passed
     assert not list(path.parent.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------- hostile cache contents, unwritable cache
+
+
+def _make_fifo(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+
+
+def _nested(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+# What is planted at (or beside) torch's record file, and whether kda can still write the file afterwards.
+HOSTILE = {
+    "record-is-a-directory": (lambda path: path.mkdir(parents=True), False),
+    "record-is-a-fifo": (_make_fifo, True),  # reading it would block forever; the write replaces it
+    "lock-is-a-directory": (lambda path: path.with_suffix(".lock").mkdir(parents=True), False),
+    "lock-is-a-fifo": (lambda path: _make_fifo(path.with_suffix(".lock")), False),
+    "deeply-nested-json": (lambda path: _nested(path, DEEP), True),
+    "deeply-nested-record": (lambda path: _nested(path, '{"records": {"k": ' + DEEP + "}}"), True),
+}
+
+
+def _torch_on_a_clean_cache(call: dict[str, Any], monkeypatch, tmp_path: Path) -> torch.Tensor:
+    monkeypatch.setenv("KDA_CACHE_DIR", str(tmp_path / "clean-cache"))
+    o, _ = kda.chunk_kda(**call, backend="torch")
+    monkeypatch.setenv("KDA_CACHE_DIR", str(tmp_path / "hostile-cache"))
+    dispatch.clear_cache()
+    return o
+
+
+def _count_verifications(monkeypatch) -> list[str]:
+    """The case classes the dispatcher verifies lazily from now on, in order."""
+    seen: list[str] = []
+    real = dispatch.verify_class
+
+    def counted(backend, case_class, device, **kwargs):
+        seen.append(f"{backend.name} {case_class.key}")
+        return real(backend, case_class, device, **kwargs)
+
+    monkeypatch.setattr(dispatch, "verify_class", counted)
+    return seen
+
+
+def _free_fifo_readers(*paths: Path) -> None:
+    """Open each FIFO's write end and close it, so that a reader blocked on it sees end of file."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def _unsaved_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "not saved" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_record_file_never_breaks_or_hangs_a_call(seed, kind, monkeypatch, tmp_path, returns_within):
+    """Regression: a directory or a FIFO at a record's path, or at its lock's, failed every call (or hung
+    it: opening a FIFO to read blocks until a writer comes), and a deeply nested JSON file ended the call
+    with RecursionError. Now such a file counts as no records; the record is written when the path allows
+    it, and otherwise kept in memory for the process (one RuntimeWarning), so the backend is verified once."""
+    call = inputs()
+    key = case_key(call)
+    expected = _torch_on_a_clean_cache(call, monkeypatch, tmp_path)
+    path = _torch_record_path(call)
+    plant, writable = HOSTILE[kind]
+    plant(path)
+    verifications = _count_verifications(monkeypatch)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = returns_within(
+            lambda: kda.chunk_kda(**call, backend="torch")[0],
+            unblock=lambda: _free_fifo_readers(path, path.with_suffix(".lock")),
+        )
+        dispatch.clear_cache()  # the next decision reads the store again
+        again = returns_within(lambda: kda.chunk_kda(**call, backend="torch")[0])
+    torch.testing.assert_close(o, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    assert verifications == [f"torch {key}"], "verified once; then the record stands (on disk or in memory)"
+
+    unsaved = _unsaved_warnings(caught)
+    torch_backend = kda.get_backend("torch")
+    if writable:
+        assert unsaved == []
+        assert json.loads(path.read_text())["records"][key]["source"] == "lazy"  # the file is replaced
+        assert RecordStore(default_store().root).get(torch_backend, "cpu", key).passed
+    else:
+        assert len(unsaved) == 1, unsaved
+        assert str(path) in unsaved[0]
+        assert RecordStore(default_store().root).get(torch_backend, "cpu", key) is None  # not on disk
+        assert default_store().get(torch_backend, "cpu", key).passed  # in this process's memory
+
+
+def _cache_under_a_file(tmp_path: Path) -> Path:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return blocker / "kda-cache"
+
+
+def _read_only_cache(tmp_path: Path) -> Path:
+    if os.geteuid() == 0:
+        pytest.skip("runs as root, whom a read-only directory does not stop")
+    root = tmp_path / "read-only-cache"
+    root.mkdir()
+    root.chmod(0o500)
+    return root
+
+
+UNWRITABLE = {"parent-is-a-file": _cache_under_a_file, "read-only-directory": _read_only_cache}
+
+
+@pytest.mark.parametrize("kind", sorted(UNWRITABLE))
+def test_unwritable_cache_keeps_records_in_memory_and_warns_once(seed, kind, monkeypatch, tmp_path):
+    """Regression: with a KDA_CACHE_DIR that cannot be written, every lazily verified call raised OSError.
+    Now the records live in memory for the process: each backend is verified once, the decision stands
+    (a failing backend stays unused), and one RuntimeWarning names the path and the error."""
+    call = inputs()
+    key = case_key(call)
+    expected = _torch_on_a_clean_cache(call, monkeypatch, tmp_path)
+    root = UNWRITABLE[kind](tmp_path)
+    monkeypatch.setenv("KDA_CACHE_DIR", str(root))
+    try:
+        wrong = WrongWrapped()  # priority 100: auto verifies it (it fails) and torch
+        kda.register_backend(wrong)
+        verifications = _count_verifications(monkeypatch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with kda.trace_routes() as routes:
+                o, _ = kda.chunk_kda(**call)
+                dispatch.clear_cache()
+                again, _ = kda.chunk_kda(**call)
+                explicit, _ = kda.chunk_kda(**call, backend="torch")
+    finally:
+        if root.exists():
+            root.chmod(0o700)  # so that tmp_path can be removed
+    assert [r.backend for r in routes] == ["torch", "torch", "torch"]
+    for out in (o, again, explicit):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert sorted(verifications) == [f"torch {key}", f"wrong {key}"], "each backend verified once"
+    assert wrong.calls == 0
+    unsaved = _unsaved_warnings(caught)
+    assert len(unsaved) == 1, unsaved
+    assert str(root) in unsaved[0] and "Error" in unsaved[0]  # the path and the OS error
+    assert not default_store().get(wrong, "cpu", key).passed
+    assert not (root / "verification").exists()
 
 
 # ------------------------------------------------------------------------------------ concurrent writers

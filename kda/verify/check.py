@@ -218,7 +218,9 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
                 got[grad_name] = getattr(grads, grad_name)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    except Exception as error:  # a backend that raises fails verification, with its error as the reason
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # a backend that raises, or exits, fails verification with it as the reason
         result.reason = f"{type(error).__name__}: {error}"
         result.problems.append(result.reason)
         result.seconds = time.perf_counter() - started

@@ -334,3 +334,35 @@ def test_honest_record_of_the_same_shape_is_accepted(seed):
         kda.chunk_kda(**call, backend="tampering")
     assert [r.backend for r in routes] == ["tampering"] and honest.calls == 1  # no verification ran: trusted
     assert math.isclose(default_store().get(honest, "cpu", key).worst_ratio, 1e-2)
+
+
+class Exiting(Tampering):
+    """A plugin's kernel that ends the process (``sys.exit``) from forward or from backward."""
+
+    where = "forward"
+
+    def forward(self, inputs, spec, out=None):
+        if self.where == "forward":
+            raise SystemExit("the kernel library gave up")
+        return super().forward(inputs, spec, out)
+
+    def backward(self, inputs, spec, saved, do, dfinal_state):
+        raise SystemExit("the kernel library gave up")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_backend_that_exits_fails_its_case_and_does_not_end_the_caller(seed, where):
+    backend = Exiting()
+    backend.where = where
+    case = cases_for(TRAIN, quick=True, like=like(TRAIN))[0]
+    result = run_case(backend, case, "cpu")
+    assert not result.passed and "SystemExit: the kernel library gave up" in result.reason
+
+
+def test_keyboard_interrupt_in_a_backend_still_interrupts_the_verifier(seed):
+    class Interrupted(Tampering):
+        def forward(self, inputs, spec, out=None):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_case(Interrupted(), cases_for(FWD, quick=True, like=like(FWD))[0], "cpu")

@@ -14,6 +14,9 @@
 #                the training kernels' variants (--train-sweep, one variant a process)
 #   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
 #   tests        the test suite on CUDA (its GPU-only tests run there)
+#   tune-fla     in the background, while the targets after it run: FLA alone at SHAPES in MODES, once, so
+#                that its autotuners (minutes per new shape) have tuned when a later `bench` times it; the
+#                results are kept in state.tgz, the timings thrown away. Give it first: `tune-fla verify`
 #
 # Every step runs under one deadline (DEADLINE_S, default 560 s: the device tool stops a command at 600 s),
 # so what finished comes back. Triton's autotune results (FLA tunes for minutes at each new shape) and
@@ -52,6 +55,14 @@ bench() {  # NAME RESERVE [kda.bench arguments]
 
 for target in "$@"; do
   case "$target" in
+  tune-fla)
+    mkdir -p "$OUT/tune-fla"
+    # shellcheck disable=SC2046
+    timeout "$(left 15)" python3 -m kda.bench --backend baseline:fla --cold-start none --rounds 1 --rep-ms 20 \
+      $(for m in ${MODES:-fwd}; do printf -- '--mode %s ' "$m"; done) $(shape_args $SHAPES) --out /tmp/tune-fla \
+      > "$OUT/tune-fla/log.txt" 2>&1 &
+    TUNING=$!
+    ;;
   verify)
     mkdir -p "$OUT/verify"
     limit=$(left 20); [ -n "${VERIFY_S:-}" ] && [ "$VERIFY_S" -lt "$limit" ] && limit=$VERIFY_S
@@ -96,12 +107,13 @@ for target in "$@"; do
     tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (verify, bench, train-bench, sweep, profile, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, sweep, profile, tests)" >&2
     exit 2
     ;;
   esac
 done
 
+[ -n "${TUNING:-}" ] && { wait "$TUNING"; echo "tune-fla: exit $?"; tail -n 3 "$OUT/tune-fla/log.txt"; }
 (cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list 2>/dev/null
  tar czf "$OUT/state.tgz" kda-cache -T /tmp/autotune.list 2>/dev/null)
 ls -la "$OUT"

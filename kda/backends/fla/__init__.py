@@ -139,7 +139,7 @@ class FLABackend(Backend):
                 cu_seqlens=cu_seqlens,
                 cu_seqlens_cpu=cu_seqlens_cpu,
                 A_log=tensors.get("A_log"),
-                dt_bias=tensors.get("dt_bias"),
+                dt_bias=_flat(tensors.get("dt_bias")),
                 chunk_size=spec.chunk_size,
             )
         saved = (o, final_state, leaves) if spec.requires_grad else None
@@ -171,6 +171,14 @@ class FLABackend(Backend):
             ddt_bias=grads.get("dt_bias"),
             dinitial_state=grads.get("initial_state"),
         )
+
+
+def _flat(dt_bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``dt_bias`` as ``[HV * K]``: FLA 0.6 takes ``[HV, K]`` forward, but its backward returns the gradient
+    flat, which autograd refuses ("returned an invalid gradient at index 5 - got [256] but expected shape
+    compatible with [2, 128]", seen on the H200). A flat view is the same numbers; autograd maps its
+    gradient back to the caller's shape."""
+    return None if dt_bias is None else dt_bias.reshape(-1)
 
 
 def _pinned_when_verified(step: Any, *args: Any) -> Any:

@@ -309,3 +309,44 @@ def test_pinning_gives_each_autotuner_one_config_and_puts_them_back(monkeypatch)
         raise ValueError("restored even on error")
     assert tuner.configs == configs
     _ = F  # (keeps the import used when triton is absent)
+
+
+# FLA 0.6's backward returns dt_bias's gradient flat, [HV * K], whatever shape dt_bias came in.
+FLAT_DT_BIAS_GRADIENT = STANDIN.replace(
+    '    CALLS["inner"] += 1\n',
+    textwrap.indent(
+        textwrap.dedent("""
+            CALLS["inner"] += 1
+
+            class _FlatGradient(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return x.clone()
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return grad.reshape(-1)
+
+            if kwargs.get("dt_bias") is not None:
+                kwargs["dt_bias"] = _FlatGradient.apply(kwargs["dt_bias"])
+        """),
+        "    ",
+    ),
+)
+assert "_FlatGradient" in FLAT_DT_BIAS_GRADIENT
+
+
+def test_two_dimensional_dt_bias_trains_through_flas_flat_gradient(seed, monkeypatch):
+    """Regression (seen on the H200): with dt_bias [HV, K], FLA's backward returned a [HV * K] gradient and
+    autograd raised "returned an invalid gradient at index 5"; the adapter hands FLA a flat view."""
+    install(monkeypatch, FLAT_DT_BIAS_GRADIENT)
+    kda.register_backend(CPUFLA, replace=True)
+    call = safe_call(requires_grad=True)
+    HV, K = call["g"].shape[-2:]
+    call["dt_bias"] = (torch.randn(HV, K) * 0.5).requires_grad_(True)
+    o, state = kda.chunk_kda(**call, backend="fla")
+    do, dstate = torch.randn_like(o), torch.randn_like(state)
+    (ddt_bias,) = torch.autograd.grad([o, state], [call["dt_bias"]], [do, dstate])
+    ref, o_ref, state_ref = reference(call)
+    (want,) = torch.autograd.grad([o_ref, state_ref], [ref["dt_bias"]], [do.double(), dstate.double()])
+    assert ddt_bias.shape == (HV, K) and relative_error(ddt_bias, want) < 1e-4

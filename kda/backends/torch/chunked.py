@@ -18,6 +18,11 @@ token, so ``Gamma`` reaches about -1000 inside a chunk): in fp32 such a ``Gamma`
 gradient of the per-token log decay is a reverse cumsum of O(1) terms that cancel where the decay is
 tiny, which in fp32 leaves ~1e-8 residuals that ``dA_log = sum a da`` multiplies by ``a`` (in the
 hundreds). In float64 both errors vanish, at the cost of a transient float64 ``[C, C, K]`` difference.
+
+A per-token log decay below ``kda.reference.LOG_DECAY_FLOOR`` (-32) is computed as the floor: one of -1e30
+would leave ``Gamma_i - Gamma_j`` of the chunk's other tokens at float64's resolution of 1e30 (1e14), and
+-inf would make it -inf - -inf = NaN, where exp(-32) is already a reset to far within fp32's resolution.
+Below the floor the gradient with respect to the log decay is 0 (the true one is ~exp(g)).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kda.backends.torch.intra import chunk_scores, rounded_exp, wy_transform
+from kda.reference import LOG_DECAY_FLOOR
 
 
 def chunked_delta_rule(
@@ -43,6 +49,7 @@ def chunked_delta_rule(
     B, HV, T, K = q.shape
     V = v.shape[-1]
     C = chunk_size
+    g = g.clamp(min=LOG_DECAY_FLOOR)  # a reset, not -inf (see the module docstring); NaN stays NaN
     pad = (-T) % C
     if pad:
         q, k, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, g))

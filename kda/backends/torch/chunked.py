@@ -5,7 +5,7 @@ beta ``[B, HV, T]``, state ``[B, HV, K, V]``. For each chunk (``Gamma`` its cumu
 state entering it, see `intra` for ``A_qk``, ``W``, ``U``)::
 
     V_new = U - W S
-    O     = scale * ((Q * exp(Gamma)) S + A_qk V_new)
+    O     = scale * ((Q * exp(Gamma)) S + A_qk V_new)             (A_qk V_new: `intra.causal_product`)
     S    <- exp(Gamma_last)[:, None] * S + (exp(Gamma_last - Gamma) * K)^T V_new
 
 T is padded up to a multiple of the chunk with tokens that change nothing (k = v = q = 0, beta = 0,
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda.backends.torch.intra import chunk_scores, rounded_exp, wy_transform
+from kda.backends.torch.intra import causal_product, chunk_scores, rounded_exp, wy_transform
 from kda.reference import LOG_DECAY_FLOOR
 
 
@@ -67,7 +67,7 @@ def chunked_delta_rule(
         A_qk, A_kk = chunk_scores(q_c, k_c, b_c, gamma)
         W, U = wy_transform(A_kk, k_c, v_c, b_c, gamma)
         v_new = U - W @ S  # [B, HV, C, V]
-        outputs.append(scale * ((q_c * rounded_exp(gamma, q.dtype)) @ S + A_qk @ v_new))
+        outputs.append(scale * ((q_c * rounded_exp(gamma, q.dtype)) @ S + causal_product(A_qk, v_new)))
         last = gamma[:, :, -1:, :]  # [B, HV, 1, K]
         k_late = rounded_exp(last - gamma, q.dtype) * k_c  # exp(Gamma_last - Gamma) K
         S = rounded_exp(last.transpose(-1, -2), q.dtype) * S + k_late.transpose(-1, -2) @ v_new

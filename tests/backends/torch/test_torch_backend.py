@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+import nonfinite
 import pytest
 import torch
 import torch.nn.functional as F
@@ -811,3 +812,23 @@ def test_a_log_decay_below_the_floor_is_the_floor(seed):
     o_floor, s_floor = kda.chunk_kda(**{**kw, "g": floor}, backend="torch")
     assert torch.equal(o_below, o_floor) and torch.equal(s_below, s_floor)
     check({**kw, "g": below}, None)  # and e^-40 against e^-32 is invisible against the reference
+
+
+# ----------------------------------------------------------------------------------------------- non-finite inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
+@pytest.mark.parametrize("name", nonfinite.INPUTS)
+def test_a_nan_reaches_only_what_the_recurrence_reaches(name, dtype, seed):
+    """A NaN in one input at one token inside a chunk: outputs before it, the other head and the other
+    sequence are exactly as without it; everything the recurrence makes NaN is NaN (`tests/nonfinite.py`).
+    Before: the chunk's earlier rows turned NaN too (0 * NaN in the in-chunk products)."""
+    call, token = nonfinite.two_sequence_call(chunk=32, dtype=dtype, strong_decay=False, l2=True)
+
+    def run(c: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        with kda.trace_routes() as routes:
+            o, state = kda.chunk_kda(**c, backend="torch")
+        assert [r.backend for r in routes] == ["torch"]
+        return o, state
+
+    nonfinite.check_nan_stays_causal(run, call, name, token, bitwise_before=True)

@@ -172,12 +172,19 @@ def chunk_kda(
     once, in `kda.options.KDAArguments`), then kda's keyword-only ``backend``, ``A_log``, ``dt_bias`` and
     ``chunk_size``. Nothing passed is modified.
 
+    Non-finite inputs: a NaN or inf in one token's q, k, v, g or beta makes that token's output and, for k,
+    v, g and beta, its sequence's later outputs and final state non-finite (as the recurrence does), never
+    another sequence's or head's. On the torch backend nothing earlier changes; on the triton backend the
+    earlier rows of the token's chunk turn NaN too, and fla and flashkda should be expected to do the same
+    (docs/design.md, "Non-finite inputs").
+
     Args:
         q: queries ``[B, T, H, K]``, bfloat16, float16 or float32; K <= 256.
         k: keys, q's shape and dtype.
         v: values ``[B, T, HV, V]`` in q's dtype; HV a multiple of H (grouped value attention), V <= 256.
         g: ``[B, T, HV, K]``: the per-token log decay (<= 0), or with ``use_gate_in_kernel`` the raw gate
-            input.
+            input. A log decay below -32 (``kda.reference.LOG_DECAY_FLOOR``; -inf too) is computed as -32,
+            a reset (exp(-32) ~ 1.3e-14), with gradient 0.
         beta: ``[B, T, HV]``: the delta-rule step size, or with ``use_beta_sigmoid_in_kernel`` its logits.
         scale: the output scale; None means ``K ** -0.5``.
         initial_state: ``S_0`` per sequence, ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` with

@@ -31,6 +31,14 @@ from kda.options import KDAArguments
 
 L2NORM_EPS = 1e-6
 
+# The smallest per-token log decay the backends compute with: one below it (-1e30, -inf: a full reset) is
+# computed as the floor. exp(-32) ~ 1.3e-14 is a reset to far within fp32's resolution of 1, and the floor
+# keeps a chunk's cumulative decay within 64 * 32 = 2048, where fp32's ulp (2.4e-4) leaves the in-chunk
+# differences exact enough; without it an fp32 cumulative sum at -1e6 (ulp 0.06) loses every other token's
+# decay, and -inf - -inf is NaN. Its gradient below the floor is 0 (the true one is ~exp(g), as good as 0).
+# The reference itself applies no floor: it is exact (exp(-1e30) = exp(-inf) = 0 there).
+LOG_DECAY_FLOOR = -32.0
+
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last (head) dimension."""

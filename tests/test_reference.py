@@ -511,3 +511,46 @@ def test_varlen_empty_sequence_passes_state_through(index_dtype, seed):
     _, s0 = kda_reference(q, k, v, g, beta, cu_seqlens=cu, **common)
     assert torch.equal(s0[1], torch.zeros(H, K, V, dtype=F64)) and torch.equal(s0[4], torch.zeros(H, K, V, dtype=F64))
     assert s0[0].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------- (e) resets
+
+
+@pytest.mark.parametrize("value", [-math.inf, -1e30, torch.finfo(torch.float32).min], ids=["-inf", "-1e30", "fp32-min"])
+def test_a_full_reset_is_exact(value, seed):
+    """A log decay of -inf (or far below exp's range) at token t zeroes the state before t's update, exactly:
+    exp(-inf) = 0 and nothing forms -inf - -inf. Outputs from t on equal the recurrence restarted at t from a
+    zero state, nothing is NaN, and every gradient is finite (the one at the reset itself 0)."""
+    B, T, H, K, V, t = 1, 12, 2, 4, 3, 5
+    q, k = torch.randn(B, T, H, K, dtype=F64), torch.randn(B, T, H, K, dtype=F64)
+    k = k / k.norm(dim=-1, keepdim=True)
+    v, beta = torch.randn(B, T, H, V, dtype=F64), torch.rand(B, T, H, dtype=F64)
+    g = -torch.rand(B, T, H, K, dtype=F64)
+    g[:, t] = value
+    h0 = torch.randn(B, H, K, V, dtype=F64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, s = kda_reference(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    restarted, s_restarted = kda_reference(q[:, t:], k[:, t:], v[:, t:], g[:, t:], beta[:, t:], output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert torch.equal(o[:, t:], restarted) and torch.equal(s, s_restarted)
+    grads = torch.autograd.grad([o, s], leaves, [torch.randn_like(o), torch.randn_like(s)])
+    assert all(torch.isfinite(d).all() for d in grads)
+    assert torch.equal(grads[3][:, t], torch.zeros_like(grads[3][:, t]))
+
+
+def test_a_saturated_softplus_gate_is_a_reset(seed):
+    """g + dt_bias = 1e30 makes the softplus gate's log decay -exp(A_log) 1e30: exp of it is 0, a reset, with
+    finite gradients for A_log and dt_bias."""
+    B, T, H, K, V, t = 1, 9, 1, 4, 3, 4
+    q, k, v = torch.randn(B, T, H, K, dtype=F64), torch.randn(B, T, H, K, dtype=F64), torch.randn(B, T, H, V, dtype=F64)
+    beta, g = torch.rand(B, T, H, dtype=F64), torch.randn(B, T, H, K, dtype=F64)
+    g[:, t] = 1e30
+    A_log = torch.rand(H, dtype=F64).requires_grad_(True)
+    dt_bias = torch.randn(H * K, dtype=F64).requires_grad_(True)
+    o, _ = kda_reference(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    restarted, _ = kda_reference(
+        q[:, t:], k[:, t:], v[:, t:], g[:, t:], beta[:, t:], use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias
+    )
+    assert torch.isfinite(o).all() and torch.equal(o[:, t:], restarted)
+    grads = torch.autograd.grad(o, [A_log, dt_bias], torch.randn_like(o))
+    assert all(torch.isfinite(d).all() for d in grads)

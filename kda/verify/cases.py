@@ -15,6 +15,7 @@ lazily by the dispatcher (`cases_for(..., like=spec)` then sizes the case after 
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 from dataclasses import dataclass, field, replace
@@ -163,6 +164,23 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
         if cc.gate is GateMode.SAFE:
             kwargs["safe_gate"] = True
             kwargs["lower_bound"] = -0.01 if case.regime == "near_zero_bound" else -5.0
+    if extreme and cc.gate is not GateMode.SAFE:
+        # A full reset at one token of each sequence, inside a chunk (never at a chunk's start, nor at the
+        # sequence's): pre-gated -inf and -1e30 (alternate channels), softplus g = 1e30 (fp16: its largest).
+        # Backends compute it as kda.reference.LOG_DECAY_FLOOR; the reference exactly (exp(-inf) = 0).
+        # Placed by the lengths alone, so that every other input of a seed stays as it was.
+        seq_starts = itertools.accumulate(case.seq_lens, initial=0) if cc.varlen else itertools.repeat(0)
+        for n, (length, seq_start) in enumerate(zip(case.seq_lens, seq_starts)):
+            t = length // 2
+            if t % cc.chunk_size == 0:
+                t += 1
+            if t >= length:  # an empty or one-token sequence: no token past its first
+                continue
+            b, t = (0, seq_start + t) if cc.varlen else (n, t)
+            if cc.gate is GateMode.PREGATED:
+                g[b, t, :, 0::2], g[b, t, :, 1::2] = -math.inf, -1e30
+            else:
+                g[b, t] = min(1e30, torch.finfo(g_dtype).max)
 
     kwargs.update(
         q=q.to(dtype),

@@ -19,6 +19,13 @@ tiling, not the math.
 
 Training: the forward runs FLA under autograd on detached leaves that share the caller's storage, and
 keeps FLA's graph; the backward asks that graph for every gradient (FLA's own backward kernels).
+
+Extreme decays: FLA computes a per-token log decay of -1e30 or -inf wrongly (its fp32 in-chunk cumulative
+sums lose the other tokens' decays, and -inf - -inf is NaN), as kda's own kernels did. kda computes a log
+decay below `kda.reference.LOG_DECAY_FLOOR` as the floor, so the adapter hands FLA a gate input that gives
+the floor's answer (`floored_gate_input`): one elementwise pass over ``g`` in the pre-gated and softplus
+modes, always (whether a call needs it is not known without reading its data); the safe gate is bounded
+above -5 and goes to FLA as it is.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
 from kda.backends.fla.pinning import pinned_autotune
 from kda.backends.fla.route import route_state, triton_path_only
+from kda.reference import LOG_DECAY_FLOOR
 from kda.spec import KDASpec
 
 _FLA_MODULE = "fla.ops.kda.chunk"
@@ -59,11 +67,40 @@ def fla_triton_chunk_kda() -> Any:
     return function
 
 
+def floored_gate_input(
+    g: torch.Tensor, spec: KDASpec, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The gate input that makes FLA compute a log decay below LOG_DECAY_FLOOR as the floor: a new tensor
+    (the caller's ``g`` is never modified), differentiable in ``g`` (0 where it is clamped).
+
+    Pre-gated, ``g`` is the log decay: ``max(g, floor)``. Softplus, the log decay is
+    ``-exp(A_log) softplus(g + dt_bias)``, at or above the floor exactly when ``softplus(g + dt_bias) <= y``
+    with ``y = -floor / exp(A_log)``, that is ``g <= softplus^-1(y) - dt_bias`` where
+    ``softplus^-1(y) = log(e^y - 1) = y + log(1 - e^-y)``, written ``y + log(-expm1(-y))`` (exact for a tiny
+    ``y``, a huge ``exp(A_log)``, and ``y`` itself for a large one). That bound, per value head and channel,
+    is computed in fp32 without gradient and rounded to ``g``'s dtype, so the decay FLA forms stops at the
+    floor to within one rounding of ``g``. The safe gate (above ``lower_bound >= -5``) is returned as is.
+    """
+    if not spec.use_gate_in_kernel:
+        return g.clamp(min=LOG_DECAY_FLOOR)
+    if spec.safe_gate:
+        return g
+    HV, K = g.shape[-2:]
+    with torch.no_grad():
+        a_log = torch.zeros(HV, 1, device=g.device) if A_log is None else A_log.float().reshape(HV, 1)
+        y = -LOG_DECAY_FLOOR * torch.exp(-a_log)  # [HV, 1]: the largest softplus(g + dt_bias) kept
+        bound = y + torch.log(-torch.expm1(-y))  # softplus^-1(y)
+        if dt_bias is not None:
+            bound = bound - dt_bias.float().reshape(HV, K)
+        bound = bound.expand(HV, K).to(g.dtype)
+    return g.clamp(max=bound)
+
+
 class FLABackend(Backend):
     """flash-linear-attention's Triton `chunk_kda` (FLA >= 0.6), forward and backward."""
 
     name = "fla"
-    version = "1"
+    version = "2"  # 2: the gate input clamped so that FLA computes LOG_DECAY_FLOOR's answer
     priority = 10
     trains = True
     writes_into_outputs = False
@@ -119,11 +156,12 @@ class FLABackend(Backend):
             cu_seqlens = cu_seqlens.long()
             cu_seqlens_cpu = None if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
         with torch.set_grad_enabled(spec.requires_grad):
+            g = floored_gate_input(tensors["g"], spec, tensors.get("A_log"), tensors.get("dt_bias"))
             o, final_state = run(
                 tensors["q"],
                 tensors["k"],
                 tensors["v"],
-                tensors["g"],
+                g,
                 tensors["beta"],
                 scale=spec.scale,
                 initial_state=tensors.get("initial_state"),

@@ -107,7 +107,7 @@ class TorchBackend(Backend):
     """Plain PyTorch, every feature, any device: the fallback and the readable algorithm."""
 
     name = "torch"
-    version = "2"  # 2: the chunk's cumulative log decay in float64 (saturated gates' dA_log)
+    version = "3"  # 2: the chunk's cumulative log decay in float64 (saturated gates' dA_log); 3: LOG_DECAY_FLOOR
     priority = 0
     trains = True
     writes_into_outputs = True

@@ -5,7 +5,7 @@ beta ``[B, HV, T]``, state ``[B, HV, K, V]``. For each chunk (``Gamma`` its cumu
 state entering it, see `intra` for ``A_qk``, ``W``, ``U``)::
 
     V_new = U - W S
-    O     = scale * ((Q * exp(Gamma)) S + A_qk V_new)
+    O     = scale * ((Q * exp(Gamma)) S + A_qk V_new)             (A_qk V_new: `intra.causal_product`)
     S    <- exp(Gamma_last)[:, None] * S + (exp(Gamma_last - Gamma) * K)^T V_new
 
 T is padded up to a multiple of the chunk with tokens that change nothing (k = v = q = 0, beta = 0,
@@ -18,6 +18,11 @@ token, so ``Gamma`` reaches about -1000 inside a chunk): in fp32 such a ``Gamma`
 gradient of the per-token log decay is a reverse cumsum of O(1) terms that cancel where the decay is
 tiny, which in fp32 leaves ~1e-8 residuals that ``dA_log = sum a da`` multiplies by ``a`` (in the
 hundreds). In float64 both errors vanish, at the cost of a transient float64 ``[C, C, K]`` difference.
+
+A per-token log decay below ``kda.reference.LOG_DECAY_FLOOR`` (-32) is computed as the floor: one of -1e30
+would leave ``Gamma_i - Gamma_j`` of the chunk's other tokens at float64's resolution of 1e30 (1e14), and
+-inf would make it -inf - -inf = NaN, where exp(-32) is already a reset to far within fp32's resolution.
+Below the floor the gradient with respect to the log decay is 0 (the true one is ~exp(g)).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda.backends.torch.intra import chunk_scores, rounded_exp, wy_transform
+from kda.backends.torch.intra import causal_product, chunk_scores, rounded_exp, wy_transform
+from kda.reference import LOG_DECAY_FLOOR
 
 
 def chunked_delta_rule(
@@ -43,6 +49,7 @@ def chunked_delta_rule(
     B, HV, T, K = q.shape
     V = v.shape[-1]
     C = chunk_size
+    g = g.clamp(min=LOG_DECAY_FLOOR)  # a reset, not -inf (see the module docstring); NaN stays NaN
     pad = (-T) % C
     if pad:
         q, k, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, g))
@@ -60,7 +67,7 @@ def chunked_delta_rule(
         A_qk, A_kk = chunk_scores(q_c, k_c, b_c, gamma)
         W, U = wy_transform(A_kk, k_c, v_c, b_c, gamma)
         v_new = U - W @ S  # [B, HV, C, V]
-        outputs.append(scale * ((q_c * rounded_exp(gamma, q.dtype)) @ S + A_qk @ v_new))
+        outputs.append(scale * ((q_c * rounded_exp(gamma, q.dtype)) @ S + causal_product(A_qk, v_new)))
         last = gamma[:, :, -1:, :]  # [B, HV, 1, K]
         k_late = rounded_exp(last - gamma, q.dtype) * k_c  # exp(Gamma_last - Gamma) K
         S = rounded_exp(last.transpose(-1, -2), q.dtype) * S + k_late.transpose(-1, -2) @ v_new

@@ -13,6 +13,13 @@ The decay is formed from the pairwise difference of cumulative decays and masked
 exponential, so every exponent is <= 0: nothing overflows however long the chunk's cumulative decay
 (unlike ``exp(Gamma_i) * exp(-Gamma_j)``, which overflows fp32 once the chunk decays past ~88). The price
 is a ``[..., C, C, K]`` intermediate: this backend favours being obviously right over memory.
+
+Non-finite inputs. The recurrence reads token j's inputs at step j only, so a NaN there reaches rows
+``i >= j`` of its chunk and never the rows before it. A chunked product with a triangular matrix would also
+multiply the zeros above its diagonal by row j, and ``0 * NaN = NaN``. So the upper triangles are cut with
+``tril`` (a mask, not a product), and products whose right-hand side may carry a NaN row (``A_qk @ V_new``)
+go through `causal_product`. The solve for the WY transform is forward substitution, which never reads a
+later row.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def chunk_scores(
     """
     decay = causal_decay(gamma, q.dtype)
     k_decayed = decay * k[..., None, :, :]  # [..., i, j, d] = k[j, d] exp(gamma_i - gamma_j)
-    A_qk = (q[..., :, None, :] * k_decayed).sum(-1)
+    A_qk = (q[..., :, None, :] * k_decayed).sum(-1).tril()  # above the diagonal: 0 * k_j, NaN for a NaN k_j
     A_kk = (k[..., :, None, :] * k_decayed).sum(-1).tril(-1) * beta[..., :, None]
     return A_qk, A_kk
 
@@ -63,3 +70,16 @@ def wy_transform(
     rhs = torch.cat([beta[..., None] * rounded_exp(gamma, k.dtype) * k, beta[..., None] * v], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     return solved[..., : k.shape[-1]], solved[..., k.shape[-1] :]
+
+
+def causal_product(lower: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``lower @ x`` for a lower triangular ``lower [..., C, C]`` and ``x [..., C, D]``, in which a non-finite
+    ``x[j]`` reaches rows ``i >= j`` only, as in the recurrence (see the module docstring).
+
+    The product takes ``x`` with its non-finite entries as 0, and ``(x * 0).cumsum`` down the rows, which is 0
+    until a column's first non-finite entry and NaN from there on, puts the NaN back where it belongs. Simpler
+    than a token-by-token path for non-finite calls (which would need a check and a sync on every call), and
+    for finite ``x`` it is the plain product.
+    """
+    finite = torch.where(x.isfinite(), x, 0.0)
+    return lower @ finite + (x * 0.0).cumsum(dim=-2)

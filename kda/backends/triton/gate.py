@@ -6,7 +6,12 @@ Per value head ``hv`` and chunk, with ``x = g + dt_bias[hv]``::
     softplus   a_t = -exp(A_log[hv]) * softplus(x_t)
     safe       a_t = lower_bound * sigmoid(exp(A_log[hv]) * x_t)   (exp(A_log) = 1 without A_log)
 
-    G_t = sum_{s <= t, s in chunk} a_s          (fp32; non-increasing in t, G <= 0)
+    G_t = sum_{s <= t, s in chunk} max(a_s, LOG_DECAY_FLOOR)     (fp32; non-increasing in t, G <= 0)
+
+The floor (`kda.reference.LOG_DECAY_FLOOR`, -32; pre-gated and softplus only, the safe gate stays above -5)
+makes a log decay of -1e30 or -inf a reset to within fp32's resolution (exp(-32) ~ 1.3e-14) and keeps ``G``
+within 64 * 32: an fp32 ``G`` at -1e6 (ulp 0.06) lost the other tokens' decays (1.2e-2 off the float64
+reference), one at -inf made ``G_i - G_j`` NaN. It is a ``where``, not a ``max``, so that a NaN stays NaN.
 
 Grid ``(NT, HV, K / BK)``: the sum runs down each column on its own, so a program takes ``BK`` columns
 (a whole ``[C, K]`` tile took 196 registers a thread at K = 128, which left one program per SM scheduler),
@@ -24,9 +29,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kda.reference import LOG_DECAY_FLOOR
+
 PREGATED, SOFTPLUS, SAFE = 0, 1, 2  # values of GATE (host side)
 _PREGATED = tl.constexpr(PREGATED)  # the same, readable inside kernels
 _SOFTPLUS = tl.constexpr(SOFTPLUS)
+_SAFE = tl.constexpr(SAFE)
+FLOOR = tl.constexpr(LOG_DECAY_FLOOR)  # the floor, readable inside kernels (`tails` uses it too)
 
 
 @triton.jit
@@ -72,6 +81,8 @@ def gate_cumsum_kernel(
                 x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
             else:
                 x = lower_bound * tl.sigmoid(a * x)
+        if GATE != _SAFE:
+            x = tl.where(x < FLOOR, FLOOR, x)  # see the module docstring
         G_sub = carry[None, :] + tl.cumsum(tl.where(mask, x, 0.0), axis=0)
         tl.store(G + offsets, G_sub, mask=mask)
         carry = tl.sum(tl.where((sub == BC - 1)[:, None], G_sub, 0.0), axis=0)  # the last row (flat past the end)

@@ -36,6 +36,17 @@ The inverse works on 16-row blocks too: each diagonal block ``D_I = (I + A_II)^-
 with matrix products. ``T`` is written over ``A_kk`` in place (row block by row block, increasing ``J``:
 every ``A_Im`` still needed is still there) and then read back whole for ``w`` and ``u``.
 
+Non-finite inputs. The recurrence lets a NaN at token j reach rows ``i >= j`` only. The scores keep that
+(their upper triangles are cut with ``where`` after the norms are applied, never multiplied by 0), but the
+products with a triangular matrix (inside `unit_lower_inverse`, ``D_I (...)``, ``w = T (...)``, ``u = T
+(...)``, and the output's ``A_qk v_new``) multiply the zeros above its diagonal by row j, and ``0 * NaN =
+NaN``: the chunk's rows before j turn NaN too (earlier chunks, other sequences and other heads do not).
+Keeping those products causal needs a check of each one's operand for non-finite entries (a reduction
+across the tile, then a branch to a product of the sanitized tile plus a NaN carried down the rows). On
+the H200 that took intra from 1.82 to 2.07 ms and the output from 0.459 to 0.463 (B1_T8192_H96_D128; at
+B4_T2048_H16_D128 0.305 to 0.354 and 0.086 to 0.093): the forward 8.5% and 10.8% slower; the carried NaN
+without the check, 19%. So it is not done here (docs/design.md, "Non-finite inputs").
+
 With bf16/fp16 storage (inference) the ``w`` and ``u`` products run on half-width tensor cores: ``T`` and
 the scaled rows are rounded to the storage dtype first, as FLA's ``recompute_w_u`` does (the results are
 rounded to it anyway when stored).
@@ -358,13 +369,14 @@ def _score_row_block(
                 k_i_early = k_i * tl.exp(tl.where(m_i, anchor[None, :] - g_i, 0.0))  # <= exp(DOT_SPAN)
                 kk = dot(k_i_late, tl.trans(k_i_early), DOT_PRECISION)
                 qk = dot(q_i_late, tl.trans(k_i_early), DOT_PRECISION)
-                kk = tl.where(strict, kk, 0.0)
-                qk = tl.where(causal & valid_i[:, None], qk, 0.0)
             else:
                 kk, qk = _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H, HV, K, BK, BKC, BC)
                 # The slices were raw: apply the norms of the whole head dimension to the sums.
                 kk = kk * k_norm[:, None] * k_norm[None, :]
                 qk = qk * q_norm[:, None] * k_norm[None, :]
+            # Above the diagonal: overflowed products, or 0 times a later row's NaN: discarded, never multiplied.
+            kk = tl.where(strict, kk, 0.0)
+            qk = tl.where(causal & valid_i[:, None], qk, 0.0)
             _store_scores(kk, qk, b_i, out_off, A_kk, A_qk, M_out, SAVE, ROUND)
         else:  # above the diagonal
             _store_zero_scores(out_off, A_kk, A_qk, M_out, BC, SAVE)
@@ -442,6 +454,8 @@ def _score_row_block_split(
                 kk, qk = _diagonal_elementwise(q, k, G, rows_i, valid_i, i_h, i_hv, H, HV, K, BK, BKC, BC)
                 kk = kk * k_norm[:, None] * k_norm[None, :]
                 qk = qk * q_norm[:, None] * k_norm[None, :]
+                kk = tl.where(strict, kk, 0.0)  # 0 times a later row's NaN norm: discarded
+                qk = tl.where(causal & valid_i[:, None], qk, 0.0)
             else:
                 kk = tl.zeros([BC, BC], dtype=tl.float32)
                 qk = tl.zeros([BC, BC], dtype=tl.float32)

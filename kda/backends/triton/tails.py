@@ -15,6 +15,8 @@ and ``dk`` likewise. Per token and value head ``hv``, with ``z = g + dt_bias[hv]
     safe gate      a = lb sigmoid(A z):   da/dz = lb A s'(A z),     da/dA_log = z da/dz
     softplus gate  a = -A softplus(z):    da/dz = -A sigmoid(z),    da/dA_log = a
     pre-gated      dg = da
+    (softplus and pre-gated: both derivatives 0 where a < LOG_DECAY_FLOOR, which the forward's `gate` computes
+    as the floor)
     dg = da da/dz,   ddt_bias[hv, c] = sum_t dg[t, hv, c],   dA_log[hv] = sum_{t, c} da da/dA_log
 
 (``s'(x) = s(x) (1 - s(x))``.) Until now these ran as autograd over `kda.reference`'s definitions: some
@@ -30,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS
+from kda.backends.triton.gate import FLOOR, PREGATED, SAFE, SOFTPLUS
 from kda.backends.triton.tiles import padded_dim
 
 _SAFE = tl.constexpr(SAFE)
@@ -116,16 +118,19 @@ def gate_beta_tail_kernel(
             slope = lower_bound * A * s * (1.0 - s)  # da/dz
             per_A_log = z * slope  # da/dA_log = A z lb s'(A z)
         else:
-            slope = -A * tl.sigmoid(z)
-            per_A_log = -A * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))  # a itself
+            a = -A * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+            floored = a < FLOOR  # the forward computed the floor: a constant
+            slope = tl.where(floored, 0.0, -A * tl.sigmoid(z))
+            per_A_log = tl.where(floored, 0.0, a)  # a itself
         d_z = tl.where(mask, d * slope, 0.0)
         tl.store(dg + offsets, d_z.to(dg.dtype.element_ty), mask=mask)
         if HAS_DT_BIAS:
             tl.store(ddt_parts + (i_t * HV + i_hv) * K + cols, tl.sum(d_z, axis=0), mask=cols < K)
         if HAS_A_LOG:
             tl.store(dA_log_parts + i_t * HV + i_hv, tl.sum(tl.sum(tl.where(mask, d * per_A_log, 0.0), axis=1), axis=0))
-    else:
-        tl.store(dg + offsets, d.to(dg.dtype.element_ty), mask=mask)
+    else:  # pre-gated: the log decay as given, 0 below the floor (as the forward's `gate` computed it)
+        a = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dg + offsets, tl.where(a < FLOOR, 0.0, d).to(dg.dtype.element_ty), mask=mask)
     b_off = rows.to(tl.int64) * HV + i_hv
     db = tl.load(dbeta_heads + b_off, mask=valid, other=0.0)
     if SIGMOID:

@@ -8,6 +8,7 @@ reaches the inner function and never the wrapper, forward and backward, with the
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import textwrap
@@ -21,17 +22,18 @@ import torch.nn.functional as F
 import kda
 from kda.backends.base import KDAInputs, Verdict
 from kda.backends.fla import FLABackend, fla_triton_chunk_kda, route
-from kda.reference import kda_reference
+from kda.reference import LOG_DECAY_FLOOR, kda_reference
 from kda.spec import KDASpec
 from kda.verify.check import relative_error
 
 STANDIN = textwrap.dedent("""
     import functools
     import torch
-    from kda.reference import kda_reference
+    from kda.reference import LOG_DECAY_FLOOR, kda_reference
 
     CALLS = {"inner": 0, "routed_elsewhere": 0}
     SCALE_OUTPUT = 1.0
+    RECEIVED = {}  # the gate's tensors of the last call, as FLA got them
 
     def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -39,6 +41,7 @@ STANDIN = textwrap.dedent("""
                   return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                   cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
         CALLS["inner"] += 1
+        RECEIVED.update(g=g, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"))
         assert cu_seqlens is None or cu_seqlens.dtype == torch.int64
         assert kwargs.pop("chunk_size") in (32, 64)
         o, state = kda_reference(
@@ -146,6 +149,7 @@ def test_forward_runs_the_inner_function_only(seed, monkeypatch, varlen):
     inputs = KDAInputs(**{n: call.get(n) for n in KDAInputs.__dataclass_fields__ if n in call})
     result = FLABackend().forward(inputs, spec)
     assert module.CALLS == {"inner": 1, "routed_elsewhere": 0}
+    assert module.RECEIVED["g"] is call["g"]  # the safe gate is bounded: its input goes to FLA as it is
     _, o_ref, state_ref = reference(call)
     assert relative_error(result.o, o_ref) < 1e-5
     assert relative_error(result.final_state, state_ref) < 1e-5
@@ -350,3 +354,107 @@ def test_two_dimensional_dt_bias_trains_through_flas_flat_gradient(seed, monkeyp
     ref, o_ref, state_ref = reference(call)
     (want,) = torch.autograd.grad([o_ref, state_ref], [ref["dt_bias"]], [do.double(), dstate.double()])
     assert ddt_bias.shape == (HV, K) and relative_error(ddt_bias, want) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------ extreme decays
+
+
+def extreme_call(gate: str, dtype: torch.dtype, dt_layout: str = "flat", requires_grad: bool = False) -> dict[str, Any]:
+    """A call whose per-token log decays go far below LOG_DECAY_FLOOR at a few tokens, in `gate` mode."""
+    B, T, H, HV, K, V = 1, 40, 1, 3, 8, 8
+    call: dict[str, Any] = {
+        "q": torch.randn(B, T, H, K, dtype=dtype),
+        "k": F.normalize(torch.randn(B, T, H, K), dim=-1).to(dtype),
+        "v": torch.randn(B, T, HV, V, dtype=dtype),
+        "beta": torch.rand(B, T, HV, dtype=dtype),
+        "initial_state": torch.randn(B, HV, K, V),
+        "output_final_state": True,
+        "chunk_size": 32,
+    }
+    if gate == "pregated":
+        g = -torch.rand(B, T, HV, K) * 2
+        g[:, 5], g[:, 17, :, ::2], g[:, 17, :, 1::2], g[:, 30] = -40.0, -1e30, -math.inf, -1e6
+    else:
+        g = torch.randn(B, T, HV, K) * 3
+        g[:, 5], g[:, 17, :, ::2], g[:, 30] = 1e30, 80.0, torch.finfo(torch.float32).max
+        # exp(A_log) from e^-4 (the bound on g is then far above 32) to e^4 (below 1)
+        call.update(use_gate_in_kernel=True, A_log=torch.tensor([-4.0, 0.3, 4.0]))
+        if dt_layout != "none":
+            dt_bias = torch.randn(HV, K)
+            call["dt_bias"] = dt_bias if dt_layout == "2d" else dt_bias.reshape(-1)
+    call["g"] = g.to(dtype)
+    if requires_grad:
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+            if name in call:
+                call[name].requires_grad_(True)
+    return call
+
+
+def received_log_decay(module: types.ModuleType, call: dict[str, Any]) -> torch.Tensor:
+    """The per-token log decay FLA computes from the gate input it received (in fp32, as FLA does)."""
+    g = module.RECEIVED["g"].detach().float()
+    if not call.get("use_gate_in_kernel"):
+        return g
+    HV, K = g.shape[-2:]
+    dt = module.RECEIVED["dt_bias"]
+    x = g if dt is None else g + dt.detach().float().reshape(HV, K)
+    return -module.RECEIVED["A_log"].detach().float().exp().reshape(HV, 1) * F.softplus(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "gate, dt_layout",
+    [("pregated", ""), ("softplus", "flat"), ("softplus", "2d"), ("softplus", "none")],
+    ids=["pregated", "softplus", "softplus-dt2d", "softplus-no-dt"],
+)
+def test_extreme_log_decays_reach_fla_at_the_floor(seed, monkeypatch, gate, dt_layout, dtype):
+    """FLA computes decays past the floor wrongly, like kda's own kernels did; the adapter hands it inputs that
+    give the floor's answer: pre-gated ``g.clamp(min=LOG_DECAY_FLOOR)``; softplus, g clamped from above where
+    ``exp(A_log) softplus(g + dt_bias)`` would pass 32. Everything else reaches FLA bit for bit, and the
+    caller's tensors are never modified."""
+    module = install(monkeypatch)
+    call = extreme_call(gate, dtype, dt_layout)
+    before = {n: t.clone() for n, t in call.items() if isinstance(t, torch.Tensor)}
+    spec = KDASpec.from_call(**call)
+    inputs = KDAInputs(**{n: call.get(n) for n in KDAInputs.__dataclass_fields__ if n in call})
+    result = FLABackend().forward(inputs, spec)
+    for name, value in before.items():
+        assert torch.equal(call[name], value), f"{name} was modified"
+    received = module.RECEIVED["g"]
+    assert received.dtype == call["g"].dtype and received.shape == call["g"].shape
+    decay = received_log_decay(module, call)
+    assert torch.isfinite(decay).all()
+    # rounding the bound to g's dtype moves the decay by at most one of its ulps
+    slack = 1e-5 if dtype == torch.float32 else 2**-7
+    assert decay.min() >= LOG_DECAY_FLOOR * (1 + slack), decay.min()
+    if gate == "pregated":
+        assert torch.equal(received, call["g"].clamp(min=LOG_DECAY_FLOOR))
+    else:
+        x = call["g"].float() + (0 if "dt_bias" not in call else call["dt_bias"].reshape(3, 8))
+        within = (-call["A_log"].exp().reshape(3, 1) * F.softplus(x)) > LOG_DECAY_FLOOR * (1 - slack)
+        assert torch.equal(received[within], call["g"][within])  # only decays past the floor change
+        assert (decay[~within] <= LOG_DECAY_FLOOR * (1 - slack)).all()
+        assert module.RECEIVED["A_log"] is call["A_log"]
+    _, o_ref, state_ref = reference(call)
+    tol = 1e-4 if dtype == torch.float32 else 8e-3
+    assert relative_error(result.o, o_ref) < tol and relative_error(result.final_state, state_ref) < 1e-4
+
+
+@pytest.mark.parametrize("gate", ["pregated", "softplus"])
+def test_training_through_the_floor(seed, monkeypatch, gate):
+    """Gradients flow through the adapter's clamp to the caller's tensors: every one matches the float64
+    reference, and dg is 0 where the floor applies."""
+    install(monkeypatch)
+    kda.register_backend(CPUFLA, replace=True)
+    call = extreme_call(gate, torch.float32, requires_grad=True)
+    names = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state") if n in call]
+    o, state = kda.chunk_kda(**call, backend="fla")
+    do, dstate = torch.randn_like(o), torch.randn_like(state)
+    grads = torch.autograd.grad([o, state], [call[n] for n in names], [do, dstate])
+    ref, o_ref, state_ref = reference(call)
+    ref_grads = torch.autograd.grad([o_ref, state_ref], [ref[n] for n in names], [do.double(), dstate.double()])
+    for name, got, want in zip(names, grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got, want) < 1e-4, name
+    dg = dict(zip(names, grads))["g"]
+    assert torch.equal(dg[:, 5], torch.zeros_like(dg[:, 5])) and torch.equal(dg[:, 30], torch.zeros_like(dg[:, 30]))

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+import nonfinite
 import pytest
 import torch
 import torch.nn.functional as F
@@ -762,3 +763,72 @@ def test_saturated_softplus_gates_in_fp32_training(seed, pinned):
     result = run_case(TorchBackend(), case, "cpu")
     assert result.passed, (case_seed, result.reason, result.errors)
     assert result.errors["dA_log"] < 1e-4, (case_seed, result.errors)
+
+
+# ----------------------------------------------------------------------------------------------- extreme decays
+
+# One token whose log decay is far past exp's range, or -inf (a full reset). The pre-gated value itself; for the
+# softplus gate, the gate input g (so g + dt_bias is huge and -exp(A_log) softplus(g + dt_bias) with it).
+EXTREME_DECAYS = [
+    ("pregated", -1e6),
+    ("pregated", -1e30),
+    ("pregated", torch.finfo(torch.float32).min),
+    ("pregated", -math.inf),
+    ("softplus", 1e30),
+    ("softplus", torch.finfo(torch.float32).max),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
+@pytest.mark.parametrize("gate, value", EXTREME_DECAYS, ids=[f"{g}={v:g}" for g, v in EXTREME_DECAYS])
+def test_extreme_log_decays_match_the_reference(gate, value, dtype, seed):
+    """A per-token log decay below LOG_DECAY_FLOOR (-32) is computed as the floor: exp(-32) ~ 1.3e-14 is a
+    reset to far within fp32's resolution, and the floor keeps a chunk's cumulative decay within 64 x 32, where
+    the in-chunk differences stay exact. The float64 reference is exact (exp(-1e30) = exp(-inf) = 0); outputs
+    and every gradient must match it. Before the floor: 1.19 off at -1e30, NaN everywhere at -inf."""
+    kw, up = draw(Cfg(gate=gate, dtype=dtype, T=45, chunk=32, B=2))
+    g = kw["g"].detach().clone()
+    if gate == "softplus":  # a finite input (+inf is a non-finite one: its A_log gradient is 0 * inf = NaN)
+        value = min(value, torch.finfo(g.dtype).max)
+    g[:, 40] = value  # inside the second chunk, every head and channel
+    g[0, 7, :, ::2] = value  # a partial reset (every other channel) in the first chunk of batch row 0
+    if value == -1e30:  # and -inf at the other channels of a token of batch row 1 (a reset as the verifier makes it)
+        g[1, 20, :, ::2], g[1, 20, :, 1::2] = -1e30, -math.inf
+    kw["g"] = g.requires_grad_(True)
+    got, _ = check(kw, up)
+    assert torch.equal(got["dg"][:, 40], torch.zeros_like(got["dg"][:, 40]))  # the floor's gradient is 0
+
+
+def test_a_log_decay_below_the_floor_is_the_floor(seed):
+    """Below LOG_DECAY_FLOOR the backend computes the floor itself: -40 and -32 give the same bits."""
+    from kda.reference import LOG_DECAY_FLOOR
+
+    assert LOG_DECAY_FLOOR == -32.0
+    kw, _ = draw(Cfg(gate="pregated", T=45), training=False)
+    below, floor = kw["g"].clone(), kw["g"].clone()
+    below[:, 3::5, :, ::3] = -40.0
+    floor[:, 3::5, :, ::3] = LOG_DECAY_FLOOR
+    o_below, s_below = kda.chunk_kda(**{**kw, "g": below}, backend="torch")
+    o_floor, s_floor = kda.chunk_kda(**{**kw, "g": floor}, backend="torch")
+    assert torch.equal(o_below, o_floor) and torch.equal(s_below, s_floor)
+    check({**kw, "g": below}, None)  # and e^-40 against e^-32 is invisible against the reference
+
+
+# ----------------------------------------------------------------------------------------------- non-finite inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAME.get)
+@pytest.mark.parametrize("name", nonfinite.INPUTS)
+def test_a_nan_reaches_only_what_the_recurrence_reaches(name, dtype, seed):
+    """A NaN in one input at one token inside a chunk: outputs before it, the other head and the other
+    sequence are exactly as without it; everything the recurrence makes NaN is NaN (`tests/nonfinite.py`).
+    Before: the chunk's earlier rows turned NaN too (0 * NaN in the in-chunk products)."""
+    call, token = nonfinite.two_sequence_call(chunk=32, dtype=dtype, strong_decay=False, l2=True)
+
+    def run(c: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        with kda.trace_routes() as routes:
+            o, state = kda.chunk_kda(**c, backend="torch")
+        assert [r.backend for r in routes] == ["torch"]
+        return o, state
+
+    nonfinite.check_nan_stays_causal(run, call, name, token, bitwise_before=True)

@@ -13,11 +13,24 @@ from pathlib import Path
 
 import torch
 
+from kda import config
+from kda.errors import KDAError
+
 
 def usage_error(prog: str, problem: str) -> int:
     """Print `problem` as one line on stderr and return the exit status of bad usage (2)."""
     print(f"{prog}: error: {' '.join(problem.split())}", file=sys.stderr)
     return 2
+
+
+def settings_problem() -> str | None:
+    """What is wrong with the environment's settings (``KDA_VERIFY``, ``KDA_TOLERANCE_SCALE``), or None."""
+    try:
+        config.verify_mode()
+        config.tolerance_scale()
+    except KDAError as error:
+        return str(error)
+    return None
 
 
 def device_problem(text: str) -> str | None:

@@ -143,6 +143,8 @@ def _check_names(args: argparse.Namespace, err: Console) -> bool:
 
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What makes these arguments unusable (checked before any work), or None."""
+    if problem := cliargs.settings_problem():
+        return problem
     reads = [("--chart", args.chart)] if args.chart is not None else []
     reads += [("--merge", path) for path in args.merge or []]
     for option, path in reads:

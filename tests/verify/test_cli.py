@@ -400,3 +400,16 @@ def test_cli_can_add_the_bench_classes(tmp_path, capsys, monkeypatch):
     from kda.bench.shapes import DEFAULT_SHAPES, MODES, case_class_keys
 
     assert seen[0] == CHEAP and set(case_class_keys(DEFAULT_SHAPES, list(MODES))) <= set(seen)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("KDA_TOLERANCE_SCALE", "2"), ("KDA_TOLERANCE_SCALE", "x"), ("KDA_VERIFY", "sometimes")]
+)
+def test_cli_bad_settings_are_usage_errors_before_any_work(variable, value, capsys, monkeypatch):
+    """Regression: a KDA_TOLERANCE_SCALE above 1 ended the run with a traceback after the first backend ran."""
+    _refuse_work(monkeypatch)
+    monkeypatch.setenv(variable, value)
+    code = cli.main(["--backend", "torch", "--case", CHEAP, "--quick", "--device", "cpu"])
+    err = capsys.readouterr().err
+    check_usage_error(code, err, "python -m kda.verify")
+    assert variable in err

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -99,35 +100,104 @@ class _KDAFunction(torch.autograd.Function):
         return (None,) * 5 + tuple(grad if need else None for grad, need in zip(grads.as_tuple(), wanted))
 
 
-def _prepare(args: KDAArguments, extra: dict[str, Any]) -> tuple[KDASpec, KDAArguments]:
-    """Take FLA's deprecated ``transpose_state_layout`` and refuse unknown keywords, then build the spec
-    (which refuses the FLA options kda does not implement, then checks every rule)."""
+_warned_unknown: set[frozenset[str]] = set()
+
+
+def _take_extra_keywords(args: KDAArguments, extra: dict[str, Any]) -> KDAArguments:
+    """FLA 0.6 takes any keyword through ``**kwargs``: the deprecated ``transpose_state_layout`` (its old
+    name of state_v_first), ``head_first`` (gone: every layout is time-major) and, ignored, anything else.
+    kda does the same, but refuses ``head_first=True`` (FLA would read head-first tensors as time-major)
+    and warns once about the keywords it ignores."""
+    extra = dict(extra)
+    if "transpose_state_layout" in extra:
+        old = extra.pop("transpose_state_layout")
+        if args.state_v_first and old is not None:
+            raise KDAInputError("transpose_state_layout", "is the deprecated name of state_v_first; pass only one")
+        args = dataclasses.replace(args, state_v_first=bool(old))
+    if "head_first" in extra:
+        head_first = extra.pop("head_first")
+        if head_first is not False and head_first is not None:
+            raise KDAInputError(
+                "head_first",
+                "must be False: q, k, v are time-major [B, T, H, K] (FLA 0.6 ignores it and would read "
+                "head-first tensors as time-major); transpose them first",
+                repr(head_first),
+            )
     if extra:
-        extra = dict(extra)
-        if "transpose_state_layout" in extra:  # FLA's deprecated name for state_v_first
-            old = extra.pop("transpose_state_layout")
-            if args.state_v_first and old is not None:
-                raise KDAInputError("transpose_state_layout", "is the deprecated name of state_v_first; pass only one")
-            args = dataclasses.replace(args, state_v_first=bool(old))
-        if extra:
-            raise KDAInputError(next(iter(extra)), "is not an argument of chunk_kda", ", ".join(sorted(extra)))
+        names = frozenset(extra)
+        if names not in _warned_unknown:
+            _warned_unknown.add(names)
+            warnings.warn(
+                f"kda.chunk_kda ignores keyword arguments it does not know, as FLA does: {', '.join(sorted(names))}",
+                UserWarning,
+                stacklevel=4,
+            )
+    return args
+
+
+def _normalised(args: KDAArguments) -> KDAArguments:
+    """The call as the backends receive it, with FLA's looser inputs made exact (new tensors, never a
+    change to the caller's): a v of another float dtype than q's promotes both to the wider one (the
+    output comes back in v's dtype, as FLA's does); the in-kernel gate's ``A_log`` (any shape with HV
+    values, such as transformers' ``[1, 1, HV, 1]``) becomes ``[HV]`` and, with ``dt_bias``, float32 (float64
+    for float64 calls), since the gate is computed in float32. Anything malformed is left as it is, for
+    `KDASpec` to name."""
+    q, k, v = args.q, args.k, args.v
+    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
+    if tensors and v.dtype != q.dtype and v.is_floating_point() and q.is_floating_point() and k.dtype == q.dtype:
+        wide = torch.promote_types(q.dtype, v.dtype)
+        args = dataclasses.replace(args, q=q.to(wide), k=k.to(wide), v=v.to(wide))
+    if not (args.use_gate_in_kernel is True and tensors and v.dim() == 4):
+        return args
+    HV, K = v.shape[2], q.shape[-1]
+    A_log, dt_bias = args.A_log, args.dt_bias
+    wanted = torch.float64 if args.q.dtype == torch.float64 else torch.float32  # the gate's precision
+    if (
+        isinstance(A_log, torch.Tensor)
+        and A_log.is_floating_point()
+        and A_log.numel() == HV
+        and (A_log.dim() != 1 or A_log.dtype != wanted)
+    ):
+        args = dataclasses.replace(args, A_log=A_log.reshape(HV).to(wanted))
+    if (
+        isinstance(dt_bias, torch.Tensor)
+        and dt_bias.is_floating_point()
+        and dt_bias.numel() == HV * K
+        and (dt_bias.dtype != wanted or tuple(dt_bias.shape) not in ((HV * K,), (HV, K)))
+    ):
+        args = dataclasses.replace(args, dt_bias=dt_bias.reshape(HV * K).to(wanted))
+    return args
+
+
+def _prepare(args: KDAArguments, extra: dict[str, Any]) -> tuple[KDASpec, KDAArguments]:
+    """Take FLA's extra keywords, make FLA's looser inputs exact, then build the spec (which refuses the
+    FLA options kda does not implement, then checks every rule)."""
+    if extra:
+        args = _take_extra_keywords(args, extra)
+    args = _normalised(args)
     return KDASpec.from_args(args), args
 
 
 def _run(
-    spec: KDASpec, args: KDAArguments, backend_request: dispatch.Request
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    spec: KDASpec, args: KDAArguments, backend_request: dispatch.Request, v_dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     backend = dispatch.select(spec, backend_request)
     routes = _routes.get()
     tensors = (args.q, args.k, args.v, args.g, args.beta, args.A_log, args.dt_bias, args.initial_state)
+    per_chunk = None
     if spec.requires_grad:
         o, final_state = _KDAFunction.apply(backend, spec, args.cu_seqlens, args.cu_seqlens_cpu, routes, *tensors)
     else:
         inputs = KDAInputs(*tensors, args.cu_seqlens, args.cu_seqlens_cpu)
         result = backend.forward(inputs, spec)
         _note(backend, "forward", spec, routes)
-        o, final_state = result.o, result.final_state
-    return o, (final_state if spec.output_final_state else None)
+        o, final_state, per_chunk = result.o, result.final_state, result.intermediate_states
+    if o.dtype != v_dtype:  # v was promoted to q's wider dtype (see `_normalised`)
+        o = o.to(v_dtype)
+    final_state = final_state if spec.output_final_state else None
+    if spec.return_intermediate_states:
+        return o, final_state, per_chunk  # type: ignore[return-value]  # final_state may be None, as documented
+    return o, final_state  # type: ignore[return-value]
 
 
 def chunk_kda(
@@ -159,7 +229,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
     **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, ...]:
     """Kimi Delta Attention, chunked, through the fastest verified backend (or the one you name).
 
     Shapes (time-major, as in flash-linear-attention): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``;
@@ -179,9 +249,12 @@ def chunk_kda(
     (docs/design.md, "Non-finite inputs").
 
     Args:
-        q: queries ``[B, T, H, K]``, bfloat16, float16 or float32; K <= 256.
+        q: queries ``[B, T, H, K]``, bfloat16, float16 or float32; K <= 256. float64 too, served by the torch
+            backend in float64 with float64 states (so ``torch.autograd.gradcheck`` runs through this call).
         k: keys, q's shape and dtype.
-        v: values ``[B, T, HV, V]`` in q's dtype; HV a multiple of H (grouped value attention), V <= 256.
+        v: values ``[B, T, HV, V]``; HV a multiple of H (grouped value attention), V <= 256. In another float
+            dtype than q's, q, k and v are computed in the wider of the two, and ``o`` comes back in v's
+            dtype (as FLA's does).
         g: ``[B, T, HV, K]``: the per-token log decay (<= 0), or with ``use_gate_in_kernel`` the raw gate
             input. A log decay below -32 (``kda.reference.LOG_DECAY_FLOOR``; -inf too) is computed as -32,
             a reset (exp(-32) ~ 1.3e-14), with gradient 0.
@@ -191,37 +264,48 @@ def chunk_kda(
             ``state_v_first``); None means zero.
         output_final_state: return ``S_T`` per sequence as the second result (else None).
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first.
-        use_gate_in_kernel: compute the log decay from g: ``-exp(A_log) * softplus(g + dt_bias)``, or with
-            ``safe_gate`` ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+        use_gate_in_kernel: compute the log decay from g, in float32, as FLA 0.6 does:
+            ``-exp(A_log) * softplus(g + dt_bias)`` when ``lower_bound`` is None, else
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``exp(A_log)`` is 1 without A_log).
         use_beta_sigmoid_in_kernel: take beta as logits: ``sigmoid(beta)``.
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 * sigmoid(beta)`` (eigenvalues of the
             transition down to -1).
-        safe_gate: the bounded gate (requires ``use_gate_in_kernel`` and ``lower_bound``).
-        lower_bound: the safe gate's bound, ``-5 <= lower_bound < 0``; only with ``safe_gate``.
+        safe_gate: promises ``-5 <= lower_bound < 0`` for the sigmoid gate (requires ``use_gate_in_kernel``
+            and ``lower_bound``), which lets backends use their anchored fast numerics.
+        lower_bound: the sigmoid gate's bound, ``<= 0`` (``-5 <= lower_bound < 0`` with ``safe_gate``); only
+            with ``use_gate_in_kernel`` (FLA would ignore it otherwise).
         disable_recompute: a memory/speed hint for training backends (keep intermediates rather than
             recompute them in backward); backends may ignore it, and it never changes the numbers.
-        return_intermediate_states: FLA-only, not supported: `KDAInputError` unless False.
+        return_intermediate_states: also return the state entering every chunk, ``[B, NT, HV, K, V]``
+            (``[..., V, K]`` with ``state_v_first``) in q's dtype, NT the chunks of each batch row (B == 1
+            and all sequences' chunks in turn with ``cu_seqlens``), as a third result: what prefix caching
+            stores. Only for calls without gradients (FLA requires ``torch.inference_mode``).
         state_v_first: states are ``[N, HV, V, K]`` rather than ``[N, HV, K, V]``.
         cu_seqlens: variable length: ``[N+1]`` int32/int64 sequence boundaries in the flattened time axis
             (0, non-decreasing, ending at T), on q's device; q etc. then have ``B == 1``.
         cu_seqlens_cpu: an optional host copy of ``cu_seqlens`` (saves backends a device sync).
         cp_context: FLA-only (context parallelism), not supported: `KDAInputError` unless None.
-        use_graph: FLA-only, not supported: `KDAInputError` unless False.
-        max_num_seqs: FLA-only, not supported: `KDAInputError` unless None.
+        use_graph: the call will be captured in a CUDA graph: with ``cu_seqlens``, a backend must not read its
+            values on the host (FLA's meaning; pad cu_seqlens with empty sequences to ``max_num_seqs + 1``
+            entries). Backends that would decline, with the reason.
+        max_num_seqs: with ``use_graph``, the static number of sequences; must match cu_seqlens.
         backend: ``"auto"`` (fastest verified backend; inside `kda.use_backends` only those), a backend
             name, or a list of names tried in order. A named backend that cannot serve the call raises
             `BackendSelectionError` with the reasons; it never silently falls back.
-        A_log: ``[HV]`` fp32, the per-head decay rate of the in-kernel gates (``exp(A_log)``); required by
-            the softplus gate, optional (1) for the safe gate; only with ``use_gate_in_kernel``.
-        dt_bias: ``[HV*K]`` or ``[HV, K]`` fp32, added to g by the in-kernel gates; None means zero; only
-            with ``use_gate_in_kernel``.
+        A_log: HV values (``[HV]``, or ``[1, 1, HV, 1]`` as transformers stores it), any float dtype: the
+            per-head decay rate of the in-kernel gates (``exp(A_log)``); required by the softplus gate,
+            optional (1) for the sigmoid gates; only with ``use_gate_in_kernel``.
+        dt_bias: HV*K values (``[HV*K]`` or ``[HV, K]``), any float dtype, added to g by the in-kernel gates;
+            None means zero; only with ``use_gate_in_kernel``.
         chunk_size: 32 or 64, the chunk length of the chunked algorithm (changes the route through it,
             not the result).
         **kwargs: ``transpose_state_layout``, FLA's deprecated name of ``state_v_first`` (pass only one);
-            any other keyword raises `KDAInputError`.
+            ``head_first=False`` (``True`` raises: kda, like FLA 0.6, is time-major); any other keyword is
+            ignored, as FLA ignores it, with one warning naming it.
 
     Returns:
-        ``(o [B, T, HV, V] in q's dtype, final_state fp32 or None)``.
+        ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``, and with
+        ``return_intermediate_states`` the per-chunk states as a third element.
 
     Raises:
         KDAInputError: the call broke a rule of the contract (before any kernel ran).
@@ -254,8 +338,9 @@ def chunk_kda(
         dt_bias=dt_bias,
         chunk_size=chunk_size,
     )
+    v_dtype = v.dtype if isinstance(v, torch.Tensor) else None
     spec, args = _prepare(args, kwargs)
-    return _run(spec, args, backend)
+    return _run(spec, args, backend, v_dtype if v_dtype is not None else spec.dtype)
 
 
 _CHUNK_KDA = inspect.signature(chunk_kda)

@@ -12,6 +12,7 @@ Each field's ``metadata["role"]`` says what kind of argument it is:
 - ``"flag"``: a bool;
 - ``"number"``: a real number or None (``scale``, ``lower_bound``);
 - ``"int"``: an int (``chunk_size``);
+- ``"count"``: a positive int or None (``max_num_seqs``);
 - ``"fla_only"``: an FLA option kda does not implement: only its default is accepted.
 
 and ``metadata["differentiable"]`` whether gradients flow to it (the tensors but ``cu_seqlens*``).
@@ -29,7 +30,7 @@ import torch
 
 from kda.errors import KDAInputError
 
-Role = Literal["tensor", "flag", "number", "int", "fla_only"]
+Role = Literal["tensor", "flag", "number", "int", "count", "fla_only"]
 
 
 def _role(role: Role, *, differentiable: bool = False) -> dict[str, Any]:
@@ -68,13 +69,13 @@ class KDAArguments:
     safe_gate: bool = field(default=False, metadata=_FLAG)
     lower_bound: float | None = field(default=None, metadata=_NUMBER)
     disable_recompute: bool = field(default=False, metadata=_FLAG)  # a hint for backends; same numbers
-    return_intermediate_states: bool = field(default=False, metadata=_FLA_ONLY)
+    return_intermediate_states: bool = field(default=False, metadata=_FLAG)  # adds the per-chunk states
     state_v_first: bool = field(default=False, metadata=_FLAG)
     cu_seqlens: torch.Tensor | None = field(default=None, metadata=_INDEX_TENSOR)
     cu_seqlens_cpu: torch.Tensor | None = field(default=None, metadata=_INDEX_TENSOR)
     cp_context: Any = field(default=None, metadata=_FLA_ONLY)
-    use_graph: bool = field(default=False, metadata=_FLA_ONLY)
-    max_num_seqs: int | None = field(default=None, metadata=_FLA_ONLY)
+    use_graph: bool = field(default=False, metadata=_FLAG)  # the call must be CUDA-graph capturable
+    max_num_seqs: int | None = field(default=None, metadata=_role("count"))
     # kda's additions, keyword-only (FLA 0.6 takes them through **kwargs)
     A_log: torch.Tensor | None = field(default=None, kw_only=True, metadata=_GRAD_TENSOR)
     dt_bias: torch.Tensor | None = field(default=None, kw_only=True, metadata=_GRAD_TENSOR)
@@ -109,15 +110,23 @@ TENSORS: tuple[str, ...] = _with_role("tensor")
 DIFFERENTIABLE: tuple[str, ...] = tuple(f.name for f in FIELDS if f.metadata["differentiable"])
 FLAGS: tuple[str, ...] = _with_role("flag")
 NUMBERS: tuple[str, ...] = _with_role("number")
+COUNTS: tuple[str, ...] = _with_role("count")
 FLA_ONLY: dict[str, Any] = {name: DEFAULTS[name] for name in _with_role("fla_only")}
 # Everything but the tensors and the FLA-only options: what a spec records of the call's choices.
-OPTIONS: tuple[str, ...] = _with_role("flag", "number", "int")
+OPTIONS: tuple[str, ...] = _with_role("flag", "number", "int", "count")
 
 # Fast readers for the per-call path: each returns a tuple of the named values, in the order above.
 tensors_of = operator.attrgetter(*TENSORS)
 flags_of = operator.attrgetter(*FLAGS)
 options_of = operator.attrgetter(*OPTIONS)
-_fla_only_of = operator.attrgetter(*FLA_ONLY)
+_fla_only_one = operator.attrgetter(*FLA_ONLY)  # one name: attrgetter returns the value itself
+
+
+def _fla_only_of(args: KDAArguments) -> tuple[Any, ...]:
+    value = _fla_only_one(args)
+    return value if len(FLA_ONLY) > 1 else (value,)
+
+
 _FLA_ONLY_DEFAULTS = tuple(FLA_ONLY.values())
 
 

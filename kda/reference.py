@@ -84,16 +84,16 @@ def log_decay(
     g: torch.Tensor,
     *,
     use_gate_in_kernel: bool,
-    safe_gate_on: bool,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     lower_bound: float | None,
 ) -> torch.Tensor:
-    """The per-token log decay the recurrence uses, for any of the three gate modes."""
+    """The per-token log decay the recurrence uses, for every gate mode, as FLA 0.6 computes it: g as
+    given (pre-gated); ``lower_bound * sigmoid(...)`` whenever `lower_bound` is set (the sigmoid and safe
+    gates; `safe_gate` only promises the bound's range); else the softplus gate."""
     if not use_gate_in_kernel:
         return g
-    if safe_gate_on:
-        assert lower_bound is not None
+    if lower_bound is not None:
         return safe_gate(g, A_log, dt_bias, lower_bound)
     assert A_log is not None
     return softplus_gate(g, A_log, dt_bias)
@@ -107,11 +107,15 @@ def naive_recurrence(
     beta: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None = None,
+    chunk_states: list[torch.Tensor] | None = None,
+    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence batch, token by token, in the dtype of its inputs.
 
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay); beta ``[B, T, HV]``;
-    initial_state ``[B, HV, K, V]`` or None. Returns ``o [B, T, HV, V]`` and ``S_T [B, HV, K, V]``.
+    initial_state ``[B, HV, K, V]`` or None. Returns ``o [B, T, HV, V]`` and ``S_T [B, HV, K, V]``. With
+    `chunk_states` a list, the state before tokens 0, C, 2C, ... (``[B, HV, K, V]`` each) is appended to it:
+    what ``return_intermediate_states`` returns.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -121,6 +125,8 @@ def naive_recurrence(
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(q.dtype)
     outputs = []
     for t in range(T):
+        if chunk_states is not None and t % chunk_size == 0:
+            chunk_states.append(S)
         k_t, b_t = k[:, t], beta[:, t, :, None]  # [B, HV, K], [B, HV, 1]
         S = S * g[:, t].exp()[..., None]  # Diag(exp(g_t)) S
         # (I - b k k^T) S + b k v^T  =  S + k (b (v - S^T k))^T
@@ -132,9 +138,7 @@ def naive_recurrence(
     return torch.stack(outputs, dim=1), S
 
 
-def kda_reference(
-    *args: Any, compute_dtype: torch.dtype = torch.float64, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def kda_reference(*args: Any, compute_dtype: torch.dtype = torch.float64, **kwargs: Any) -> tuple[Any, ...]:
     """KDA with `chunk_kda`'s arguments, computed by the naive recurrence in `compute_dtype`.
 
     Takes the fields of `kda.options.KDAArguments` (FLA 0.6's arguments in its order, then ``A_log``,
@@ -144,7 +148,9 @@ def kda_reference(
 
     Every input is upcast to `compute_dtype` first (float64 by default), so the result is the exact
     function of the given (possibly bf16) inputs. Differentiable: gradients of the float64 result are
-    the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`. It checks no rule of the
+    the reference gradients. Returns ``(o, final_state)`` in `compute_dtype`, and with
+    ``return_intermediate_states`` also the state at the start of every chunk,
+    ``[B, NT, HV, K, V]`` (``[..., V, K]`` with ``state_v_first``), as `chunk_kda` does. It checks no rule of the
     contract (the caller validated through `KDASpec`) beyond refusing the FLA options kda does not
     implement.
     """
@@ -152,13 +158,11 @@ def kda_reference(
 
 
 kda_reference.__signature__ = options.signature(  # type: ignore[attr-defined]
-    extra={"compute_dtype": torch.float64}, return_annotation="tuple[torch.Tensor, torch.Tensor | None]"
+    extra={"compute_dtype": torch.float64}, return_annotation="tuple[torch.Tensor, ...]"
 )
 
 
-def reference_of(
-    args: KDAArguments, compute_dtype: torch.dtype = torch.float64
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def reference_of(args: KDAArguments, compute_dtype: torch.dtype = torch.float64) -> tuple[Any, ...]:
     """`kda_reference` of arguments already gathered in a `KDAArguments`."""
     args.check_fla_only()
 
@@ -178,7 +182,6 @@ def reference_of(
     g = log_decay(
         g,
         use_gate_in_kernel=args.use_gate_in_kernel,
-        safe_gate_on=args.safe_gate,
         A_log=A_log,
         dt_bias=dt_bias,
         lower_bound=args.lower_bound,
@@ -186,19 +189,26 @@ def reference_of(
     if initial_state is not None and args.state_v_first:
         initial_state = initial_state.transpose(-1, -2)
 
+    C = args.chunk_size
+    per_chunk: list[torch.Tensor] | None = [] if args.return_intermediate_states else None
     if args.cu_seqlens is None:
-        o, S = naive_recurrence(q, k, v, g, beta, scale, initial_state)
+        o, S = naive_recurrence(q, k, v, g, beta, scale, initial_state, per_chunk, C)
     else:
         bounds = [int(x) for x in args.cu_seqlens.tolist()]
         outs, states = [], []
         for n, (start, end) in enumerate(itertools.pairwise(bounds)):
             h0 = None if initial_state is None else initial_state[n : n + 1]
             piece = slice(start, end)
-            o_n, S_n = naive_recurrence(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], scale, h0)
+            o_n, S_n = naive_recurrence(
+                q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], scale, h0, per_chunk, C
+            )
             outs.append(o_n)
             states.append(S_n)
         o, S = torch.cat(outs, dim=1), torch.cat(states, dim=0)
 
-    if not args.output_final_state:
-        return o, None
-    return o, (S.transpose(-1, -2) if args.state_v_first else S)
+    final = (S.transpose(-1, -2) if args.state_v_first else S) if args.output_final_state else None
+    if per_chunk is None:
+        return o, final
+    B, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    h = torch.stack(per_chunk, dim=1) if per_chunk else q.new_zeros(B, 0, HV, K, V)  # [B, NT, HV, K, V]
+    return o, final, (h.transpose(-1, -2) if args.state_v_first else h)

@@ -17,14 +17,15 @@ import functools
 import math
 import operator
 from collections.abc import Sequence
-from enum import Enum
-from typing import Any, Literal, cast
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from kda.case_class import CaseClass, GateMode, head_dim_bucket
 from kda.errors import KDAInputError
 from kda.options import (
+    COUNTS,
     DIFFERENTIABLE,
     FLAGS,
     NUMBERS,
@@ -36,142 +37,28 @@ from kda.options import (
     options_of,
     tensors_of,
 )
+from kda.tensor_info import FLOAT_DTYPES, INDEX_DTYPES, TensorInfo, cu_seqlens_violation
+from kda.tensor_info import fmt_shape as _fmt_shape
 
-FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-INDEX_DTYPES = ("int32", "int64")
+__all__ = [  # the case-class and tensor names are re-exported: `kda.spec` is where callers look for them
+    "CHUNK_SIZES",
+    "FLOAT_DTYPES",
+    "INDEX_DTYPES",
+    "MAX_HEAD_DIM",
+    "CaseClass",
+    "GateMode",
+    "KDASpec",
+    "TensorInfo",
+    "cu_seqlens_violation",
+    "head_dim_bucket",
+]
+
+# float64 is served by the torch backend alone (exact enough for torch.autograd.gradcheck)
+COMPUTE_DTYPES = (*FLOAT_DTYPES, "float64")
 CHUNK_SIZES = (32, 64)
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND_MIN = -5.0
 _SPEC_MEMO_LIMIT = 1024
-
-
-class GateMode(str, Enum):
-    """How `g` becomes the per-token log decay (chosen by `use_gate_in_kernel` and `safe_gate`)."""
-
-    PREGATED = "pregated"  # use_gate_in_kernel=False: g is already the log decay (<= 0)
-    SOFTPLUS = "softplus"  # g <- -exp(A_log[h]) * softplus(g + dt_bias[h])
-    SAFE = "safe"  # g <- lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h])), -5 <= lower_bound < 0
-
-
-class TensorInfo(BaseModel):
-    """What the contract needs to know of one tensor: shape, dtype name and device."""
-
-    model_config = ConfigDict(frozen=True)
-
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorInfo:
-        return cls(shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."), device=str(tensor.device))
-
-
-def _fmt_shape(shape: Sequence[int | str]) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def cu_seqlens_violation(values: Sequence[int], total_tokens: int) -> str | None:
-    """The broken `cu_seqlens` rule for these host values, or None when they are well formed.
-
-    `cu_seqlens` marks sequence boundaries in the flattened time axis: it starts at 0, never
-    decreases, and ends at T. Backends that copy `cu_seqlens` to the host anyway call this too, so
-    that a device-resident `cu_seqlens` (which the spec cannot read without a sync) is still checked.
-    """
-    if len(values) < 2:
-        return f"must hold N+1 >= 2 boundaries; got {list(values)}"
-    if values[0] != 0:
-        return f"must start at 0; got {values[0]}"
-    for i in range(1, len(values)):
-        if values[i] < values[i - 1]:
-            return f"must be non-decreasing; got {values[i - 1]} then {values[i]} at position {i}"
-    if values[-1] != total_tokens:
-        return f"must end at T = {total_tokens}; got {values[-1]}"
-    return None
-
-
-BetaMode = Literal["given", "sigmoid", "sigmoid2"]
-DtypeName = Literal["bfloat16", "float16", "float32"]
-ChunkSize = Literal[32, 64]
-HeadDim = Literal[64, 128, 256]
-_BETA_OF_KEY: dict[str, BetaMode] = {"beta": "given", "sig": "sigmoid", "sig2": "sigmoid2"}
-_DTYPE_OF_KEY: dict[str, DtypeName] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-class CaseClass(BaseModel):
-    """The class of calls that one verification record covers ("Case classes" in `docs/design.md`).
-
-    Two calls in the same class exercise the same code paths of any backend: same gate mode, in-kernel
-    flags, dtype, layout features, chunk size, head-dimension bucket and need for gradients. Sizes
-    (B, T, H, the exact K and V up to the bucket) vary within a class.
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    gate: GateMode
-    qk_l2norm: bool
-    beta: BetaMode
-    dtype: DtypeName
-    varlen: bool
-    gva: bool
-    initial_state: bool
-    final_state: bool
-    state_v_first: bool  # normalised to False when the call has no state at all
-    chunk_size: ChunkSize
-    head_dim: HeadDim  # bucket of max(K, V)
-    training: bool
-
-    @property
-    def key(self) -> str:
-        """A short stable name, e.g. ``safe/l2/sig/bf16/varlen/gva/h0+ht:vk/c64/d128/train``."""
-        states = "+".join(s for s, on in (("h0", self.initial_state), ("ht", self.final_state)) if on) or "nostate"
-        if self.state_v_first:
-            states += ":vk"
-        beta = {"given": "beta", "sigmoid": "sig", "sigmoid2": "sig2"}[self.beta]
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.dtype]
-        parts = [
-            self.gate.value,
-            "l2" if self.qk_l2norm else "qk",
-            beta,
-            dtype,
-            "varlen" if self.varlen else "dense",
-            "gva" if self.gva else "mha",
-            states,
-            f"c{self.chunk_size}",
-            f"d{self.head_dim}",
-            "train" if self.training else "fwd",
-        ]
-        return "/".join(parts)
-
-    @classmethod
-    def from_key(cls, key: str) -> CaseClass:
-        """Inverse of `key`."""
-        try:
-            gate, qk, beta, dtype, layout, heads, states, chunk, dim, mode = key.split("/")
-            state_v_first = states.endswith(":vk")
-            states = states.removesuffix(":vk")
-            return cls(
-                gate=GateMode(gate),
-                qk_l2norm=qk == "l2",
-                beta=_BETA_OF_KEY[beta],
-                dtype=_DTYPE_OF_KEY[dtype],
-                varlen=layout == "varlen",
-                gva=heads == "gva",
-                initial_state="h0" in states,
-                final_state="ht" in states,
-                state_v_first=state_v_first,
-                # pydantic checks these are one of the allowed sizes (a ValueError if not)
-                chunk_size=cast(ChunkSize, int(chunk.removeprefix("c"))),
-                head_dim=cast(HeadDim, int(dim.removeprefix("d"))),
-                training=mode == "train",
-            )
-        except (ValueError, KeyError) as error:
-            raise ValueError(f"not a case-class key: {key!r}") from error
-
-
-def head_dim_bucket(dim: int) -> HeadDim:
-    """The smallest of 64, 128, 256 that holds `dim` (kernels tile head dimensions by these)."""
-    return 64 if dim <= 64 else 128 if dim <= 128 else 256
 
 
 class KDASpec(BaseModel):
@@ -208,6 +95,9 @@ class KDASpec(BaseModel):
     chunk_size: int = 64
     requires_grad: bool = False
     disable_recompute: bool = False  # a memory/speed hint for backends; does not change the numbers
+    return_intermediate_states: bool = False  # also return the state at the start of every chunk
+    use_graph: bool = False  # capturable in a CUDA graph: cu_seqlens' values are read on the device only
+    max_num_seqs: int | None = None  # with use_graph: the static number of (padded) sequences
 
     def __init__(self, **data: Any):
         try:
@@ -252,6 +142,10 @@ class KDASpec(BaseModel):
                 float(number)
             except OverflowError:
                 raise KDAInputError(name, "must be a finite number", repr(number)) from None
+        for name in COUNTS:
+            count = getattr(args, name)
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+                raise KDAInputError(name, "must be a positive int or None", repr(count))
 
         # Host values of cu_seqlens, read only when that costs no device sync. When both copies are on
         # the host they must agree (checked in the rules below through `cu_seqlens_values_device`).
@@ -351,20 +245,20 @@ class KDASpec(BaseModel):
         # Dtypes and devices.
         if torch.device(q.device).type == "meta":
             rule("q", "must hold values: kda computes KDA, and a meta tensor has none", q.device)
-        if q.dtype not in FLOAT_DTYPES:
-            rule("q", f"dtype must be one of {', '.join(FLOAT_DTYPES)}", q.dtype)
+        if q.dtype not in COMPUTE_DTYPES:
+            rule("q", f"dtype must be one of {', '.join(COMPUTE_DTYPES)}", q.dtype)
         for name, info in (("k", k), ("v", v)):
-            if info.dtype != q.dtype:
+            if info.dtype != q.dtype:  # kda.chunk_kda promotes a v of another float dtype first
                 rule(name, f"dtype must match q's ({q.dtype})", info.dtype)
         for name, info in (("g", g), ("beta", beta)):
-            if info.dtype not in FLOAT_DTYPES:
-                rule(name, f"dtype must be one of {', '.join(FLOAT_DTYPES)}", info.dtype)
+            if info.dtype not in COMPUTE_DTYPES:
+                rule(name, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}", info.dtype)
         for name in ("k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
             info = getattr(self, name)
             if info is not None and info.device != q.device:
                 rule(name, f"must be on q's device ({q.device})", info.device)
 
-        # Gate modes and their parameters.
+        # Gate modes and their parameters, as FLA 0.6 computes them (see `GateMode`).
         if self.safe_gate and not self.use_gate_in_kernel:
             rule("safe_gate", "safe_gate=True requires use_gate_in_kernel=True", "use_gate_in_kernel=False")
         if self.safe_gate and self.lower_bound is None:
@@ -373,36 +267,52 @@ class KDASpec(BaseModel):
             lb = self.lower_bound
             if self.safe_gate and not (SAFE_LOWER_BOUND_MIN <= lb < 0):
                 rule("lower_bound", "the safe gate requires -5 <= lower_bound < 0", lb)
-            if not self.safe_gate:
+            elif not self.use_gate_in_kernel:
                 rule(
                     "lower_bound",
-                    "is used only by the safe gate: pass safe_gate=True (and use_gate_in_kernel=True), "
-                    "or leave lower_bound=None for the softplus gate",
+                    "bounds the in-kernel gate only: pass use_gate_in_kernel=True, or leave it None when g is "
+                    "the log decay already (FLA would ignore it)",
+                    lb,
+                )
+            elif lb > 0:
+                rule(
+                    "lower_bound",
+                    "must be <= 0: the gate lower_bound * sigmoid(...) is a log decay, and a positive one "
+                    "grows the state without bound",
                     lb,
                 )
         if self.use_gate_in_kernel:
-            if not self.safe_gate and self.A_log is None:
-                rule("A_log", "the softplus gate (use_gate_in_kernel=True, safe_gate=False) requires A_log", "None")
+            if not self.safe_gate and self.lower_bound is None and self.A_log is None:
+                rule(
+                    "A_log",
+                    "the softplus gate (use_gate_in_kernel=True, lower_bound=None) requires A_log",
+                    "None",
+                )
             if self.A_log is not None:
-                if self.A_log.shape != (HV,):
-                    rule("A_log", f"must have shape [HV] = [{HV}]", _fmt_shape(self.A_log.shape))
-                if self.A_log.dtype != "float32":
-                    rule("A_log", "dtype must be float32", self.A_log.dtype)
+                if math.prod(self.A_log.shape) != HV:
+                    rule(
+                        "A_log",
+                        f"must hold HV = {HV} values (shape [HV], or [1, 1, HV, 1] as models store it)",
+                        _fmt_shape(self.A_log.shape),
+                    )
+                if self.A_log.dtype not in COMPUTE_DTYPES:
+                    rule("A_log", f"dtype must be one of {', '.join(COMPUTE_DTYPES)}", self.A_log.dtype)
             if self.dt_bias is not None:
-                if self.dt_bias.shape not in ((HV * K,), (HV, K)):
+                if math.prod(self.dt_bias.shape) != HV * K:
                     rule(
                         "dt_bias",
-                        f"must have shape [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}]",
+                        f"must hold HV*K = {HV * K} values ([HV*K] or [HV, K] = [{HV}, {K}])",
                         _fmt_shape(self.dt_bias.shape),
                     )
-                if self.dt_bias.dtype != "float32":
-                    rule("dt_bias", "dtype must be float32", self.dt_bias.dtype)
+                if self.dt_bias.dtype not in COMPUTE_DTYPES:
+                    rule("dt_bias", f"dtype must be one of {', '.join(COMPUTE_DTYPES)}", self.dt_bias.dtype)
         else:
             for name in ("A_log", "dt_bias"):
                 if getattr(self, name) is not None:
                     rule(
                         name,
-                        "is used only with use_gate_in_kernel=True (g is taken as the log decay as given)",
+                        "is used only with use_gate_in_kernel=True (g is taken as the log decay as given; "
+                        "FLA would ignore it)",
                         "a tensor",
                     )
 
@@ -420,7 +330,12 @@ class KDASpec(BaseModel):
         # Variable length.
         num_seqs = B
         if self.cu_seqlens_cpu is not None and self.cu_seqlens is None:
-            rule("cu_seqlens_cpu", "is a host copy of cu_seqlens; pass cu_seqlens too", "cu_seqlens=None")
+            rule(
+                "cu_seqlens_cpu",
+                "is a host copy of cu_seqlens; pass cu_seqlens too (FLA would ignore the boundaries and "
+                "compute one dense sequence per batch row)",
+                "cu_seqlens=None",
+            )
         if self.cu_seqlens is not None:
             cu = self.cu_seqlens
             if B != 1:
@@ -467,8 +382,31 @@ class KDASpec(BaseModel):
                     f"must be {layout} = {_fmt_shape(expected)} with N = {num_seqs} sequences",
                     _fmt_shape(h0.shape),
                 )
-            if h0.dtype != "float32":
-                rule("initial_state", "dtype must be float32", h0.dtype)
+            wanted = "float64" if q.dtype == "float64" else "float32"
+            if h0.dtype != wanted:
+                rule("initial_state", f"dtype must be {wanted} (the state's precision for {q.dtype} inputs)", h0.dtype)
+
+        # Outputs and modes beyond (o, final_state).
+        if self.return_intermediate_states and self.requires_grad:
+            rule(
+                "return_intermediate_states",
+                "returns states outside autograd: call it without gradients (torch.no_grad or "
+                "torch.inference_mode, as FLA requires)",
+                "a call that needs gradients",
+            )
+        if self.return_intermediate_states and self.disable_recompute:
+            rule("disable_recompute", "must be False with return_intermediate_states (as in FLA)", True)
+        if self.max_num_seqs is not None and not self.use_graph:
+            rule("max_num_seqs", "is the static sequence count of use_graph=True", self.max_num_seqs)
+        if self.use_graph:
+            if self.disable_recompute:
+                rule("disable_recompute", "must be False with use_graph (as in FLA)", True)
+            if self.cu_seqlens is not None and self.max_num_seqs is not None and num_seqs != self.max_num_seqs:
+                rule(
+                    "max_num_seqs",
+                    "must equal the number of sequences in cu_seqlens (pad it with empty sequences)",
+                    f"{self.max_num_seqs} for N = {num_seqs}",
+                )
 
         if errors:
             raise _combined(errors)
@@ -529,7 +467,28 @@ class KDASpec(BaseModel):
     def gate_mode(self) -> GateMode:
         if not self.use_gate_in_kernel:
             return GateMode.PREGATED
-        return GateMode.SAFE if self.safe_gate else GateMode.SOFTPLUS
+        if self.safe_gate:
+            return GateMode.SAFE
+        return GateMode.SOFTPLUS if self.lower_bound is None else GateMode.SIGMOID
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of initial_state and final_state: float32 (float64 for float64 inputs)."""
+        return torch.float64 if self.q.dtype == "float64" else torch.float32
+
+    def intermediate_states_shape(self, bounds: Sequence[int] | None = None) -> tuple[int, int, int, int, int]:
+        """``[B, NT, HV, K, V]`` (``[..., V, K]`` with state_v_first) of return_intermediate_states: NT chunks
+        per batch row, or in all of a variable-length batch's sequences (B == 1, `bounds` or the host
+        values of cu_seqlens giving them)."""
+        C = self.chunk_size
+        if self.cu_seqlens is None:
+            NT = -(-self.T // C)
+        else:
+            bounds = bounds if bounds is not None else self.cu_seqlens_values
+            assert bounds is not None, "the chunk count of a varlen call needs its boundaries"
+            NT = sum(-(-(bounds[i + 1] - bounds[i]) // C) for i in range(len(bounds) - 1))
+        tail = (self.V, self.K) if self.state_v_first else (self.K, self.V)
+        return (self.B, NT, self.HV, *tail)
 
     @property
     def device(self) -> torch.device:
@@ -562,6 +521,8 @@ class KDASpec(BaseModel):
             chunk_size=self.chunk_size,  # type: ignore[arg-type]
             head_dim=head_dim_bucket(max(self.K, self.V)),
             training=self.requires_grad,
+            intermediate_states=self.return_intermediate_states,
+            graph=self.use_graph and self.is_varlen,
         )
 
     def summary(self) -> str:

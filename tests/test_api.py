@@ -284,24 +284,23 @@ def test_transpose_state_layout_is_an_alias_of_state_v_first(seed):
     assert error.value.argument == "transpose_state_layout"
 
 
-def test_unknown_keyword_raises_input_error(seed):
+def test_head_first_true_raises_input_error_before_any_work(seed):
     call = inputs()
     with kda.trace_routes() as routes, pytest.raises(kda.KDAInputError) as error:
         kda.chunk_kda(**call, head_first=True)
     assert routes == []
     assert error.value.argument == "head_first" and "head_first" in str(error.value)
     with pytest.raises(kda.KDAInputError) as error:
-        kda.explain(**call, head_first=False)
+        kda.explain(**call, head_first=True)
     assert error.value.argument == "head_first"
+    print(kda.explain(**call, head_first=False))  # FLA's default: accepted
 
 
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("return_intermediate_states", True),
         ("cp_context", object()),
-        ("use_graph", True),
-        ("max_num_seqs", 4),
+        ("max_num_seqs", 4),  # without use_graph
     ],
 )
 def test_unsupported_fla_options_raise(seed, name, value):

@@ -8,7 +8,8 @@ against the allowed arrows below, so that a lower layer never imports a higher o
     timings   ->  store, spec, config
     registry  ->  backends.*
     backends.*  ->  kda.backends.*, kda.spec, kda.reference, kda.errors, kda.config only
-    workloads, store, options, spec, errors, config, reference, cliargs, _version: the bottom
+    workloads, store, options, spec, case_class, tensor_info, errors, config, reference, cliargs, _version:
+    the bottom
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ BOTTOM = {
     "kda.store",
     "kda.options",
     "kda.spec",
+    "kda.case_class",
+    "kda.tensor_info",
     "kda.errors",
     "kda.config",
     "kda.reference",
@@ -54,8 +57,8 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"api", "timings", "workloads", "registry", *BOTTOM},
     "timings": {"kda.store", "kda.spec", "kda.config", "kda._version"},
     "registry": {"backends", "backends.base", *BOTTOM},
-    "backends": {"kda.spec", "kda.reference", "kda.errors", "kda.config"},
-    "workloads": {"kda.spec"},
+    "backends": {"kda.spec", "kda.case_class", "kda.tensor_info", "kda.reference", "kda.errors", "kda.config"},
+    "workloads": {"kda.spec", "kda.case_class"},
     "bottom": set(BOTTOM),
 }
 

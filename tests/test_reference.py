@@ -365,12 +365,10 @@ def test_safe_gate_hand_values():
 def test_log_decay_dispatches_gate_modes():
     g = torch.full((1, 1, 1, 2), 0.7, dtype=F64)
     A_log = torch.zeros(1, dtype=F64)
-    assert torch.equal(
-        log_decay(g, use_gate_in_kernel=False, safe_gate_on=False, A_log=None, dt_bias=None, lower_bound=None), g
-    )
-    sp = log_decay(g, use_gate_in_kernel=True, safe_gate_on=False, A_log=A_log, dt_bias=None, lower_bound=None)
+    assert torch.equal(log_decay(g, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None), g)
+    sp = log_decay(g, use_gate_in_kernel=True, A_log=A_log, dt_bias=None, lower_bound=None)
     assert torch.allclose(sp, torch.full_like(g, -math.log1p(math.exp(0.7))), rtol=0, atol=1e-15)
-    sf = log_decay(g, use_gate_in_kernel=True, safe_gate_on=True, A_log=A_log, dt_bias=None, lower_bound=-2.0)
+    sf = log_decay(g, use_gate_in_kernel=True, A_log=A_log, dt_bias=None, lower_bound=-2.0)
     assert torch.allclose(sf, torch.full_like(g, -2.0 / (1 + math.exp(-0.7))), rtol=0, atol=1e-15)
 
 

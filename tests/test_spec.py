@@ -247,10 +247,22 @@ def test_safe_lower_bound_in_range(lb):
     call(make(), use_gate_in_kernel=True, safe_gate=True, lower_bound=lb)
 
 
-@pytest.mark.parametrize("use_gate", [False, True])
-def test_lower_bound_without_safe_gate(use_gate):
-    extra = {"use_gate_in_kernel": True, "A_log": rnd(2)} if use_gate else {}
-    rejects(make(), "lower_bound", "used only by the safe gate", lower_bound=-1.0, **extra)
+@pytest.mark.parametrize("with_a_log", [False, True])
+@pytest.mark.parametrize("lb", [-1.0, -5.0, -12.0, 0.0])
+def test_lower_bound_without_safe_gate_is_the_sigmoid_gate(with_a_log, lb):
+    """FLA 0.6 computes lower_bound * sigmoid(...) whenever lower_bound is set (its own layer passes it
+    without safe_gate); any bound <= 0, with or without A_log."""
+    extra = {"A_log": rnd(2)} if with_a_log else {}
+    spec = call(make(), use_gate_in_kernel=True, lower_bound=lb, **extra)
+    assert spec.gate_mode is GateMode.SIGMOID and spec.case_class.key.startswith("sigmoid/")
+
+
+def test_lower_bound_without_the_in_kernel_gate():
+    rejects(make(), "lower_bound", "in-kernel gate only", lower_bound=-1.0)
+
+
+def test_positive_lower_bound():
+    rejects(make(), "lower_bound", "must be <= 0", use_gate_in_kernel=True, lower_bound=0.5)
 
 
 # ----------------------------------------------------------------------------------------------- softplus params
@@ -260,21 +272,31 @@ def test_softplus_without_a_log():
     rejects(make(), "A_log", "requires A_log", use_gate_in_kernel=True)
 
 
-@pytest.mark.parametrize("shape", [(3,), (2, 1), (), (1,)])
+@pytest.mark.parametrize("shape", [(3,), (2, 2), (), (1,)])
 def test_a_log_wrong_shape(shape):
-    rejects(make(H=2), "A_log", "must have shape [HV] = [2]", use_gate_in_kernel=True, A_log=torch.randn(shape))
+    rejects(make(H=2), "A_log", "must hold HV = 2 values", use_gate_in_kernel=True, A_log=torch.randn(shape))
+
+
+@pytest.mark.parametrize("shape", [(2,), (1, 1, 2, 1), (2, 1), (1, 2)])
+def test_a_log_any_shape_with_hv_values(shape):
+    call(make(H=2), use_gate_in_kernel=True, A_log=torch.randn(shape))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_log_and_dt_bias_in_any_float_dtype(dtype):
+    call(make(H=2, K=4), use_gate_in_kernel=True, A_log=rnd(2, dtype=dtype), dt_bias=rnd(8, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
 def test_a_log_wrong_dtype(dtype):
-    rejects(make(H=2), "A_log", "dtype must be float32", use_gate_in_kernel=True, A_log=rnd(2, dtype=dtype))
+    rejects(make(H=2), "A_log", "dtype must be one of", use_gate_in_kernel=True, A_log=torch.ones(2, dtype=dtype))
 
 
 def test_a_log_wrong_shape_in_safe_mode():
     rejects(
         make(H=2),
         "A_log",
-        "must have shape [HV]",
+        "must hold HV = 2 values",
         use_gate_in_kernel=True,
         safe_gate=True,
         lower_bound=-1.0,
@@ -282,27 +304,27 @@ def test_a_log_wrong_shape_in_safe_mode():
     )
 
 
-@pytest.mark.parametrize("shape", [(2 * 4 + 1,), (4, 2), (2, 4, 1), (4,), (2,)])
+@pytest.mark.parametrize("shape", [(2 * 4 + 1,), (4, 3), (2, 4, 2), (4,), (2,)])
 def test_dt_bias_wrong_shape(shape):
     rejects(
         make(H=2, K=4),
         "dt_bias",
-        "must have shape [HV*K] = [8] or [HV, K] = [2, 4]",
+        "must hold HV*K = 8 values ([HV*K] or [HV, K] = [2, 4])",
         use_gate_in_kernel=True,
         A_log=rnd(2),
         dt_bias=torch.randn(shape),
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
 def test_dt_bias_wrong_dtype(dtype):
     rejects(
         make(H=2, K=4),
         "dt_bias",
-        "dtype must be float32",
+        "dtype must be one of",
         use_gate_in_kernel=True,
         A_log=rnd(2),
-        dt_bias=rnd(8, dtype=dtype),
+        dt_bias=torch.ones(8, dtype=dtype),
     )
 
 
@@ -402,13 +424,23 @@ def test_beta_shape(shape):
 # ----------------------------------------------------------------------------------------------- dtypes & types
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_q_dtype_rejected(dtype):
     a = make()
     for n in ("q", "k", "v"):
         a[n] = (a[n] * 10).to(dtype)
-    err = rejects(a, "q", "dtype must be one of bfloat16, float16, float32")
+    err = rejects(a, "q", "dtype must be one of bfloat16, float16, float32, float64")
     assert err.more == []
+
+
+def test_float64_calls_keep_float64_states():
+    a = {n: t.double() for n, t in make().items()}
+    spec = call(a, output_final_state=True)
+    assert spec.state_dtype == torch.float64 and spec.case_class.dtype == "float64"
+    a["initial_state"] = torch.randn(spec.state_shape, dtype=torch.float64)
+    call(a)
+    a["initial_state"] = a["initial_state"].float()
+    rejects(a, "initial_state", "dtype must be float64")
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
@@ -419,11 +451,11 @@ def test_k_v_dtype_must_match_q(name):
 
 
 @pytest.mark.parametrize("name", ["g", "beta"])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.int64])
 def test_g_beta_non_float_rejected(name, dtype):
     a = make()
     a[name] = (a[name] * 10).to(dtype)
-    rejects(a, name, "dtype must be one of bfloat16, float16, float32")
+    rejects(a, name, "dtype must be one of bfloat16, float16, float32, float64")
 
 
 @pytest.mark.parametrize("cs", [16, 128, 0, 48])
@@ -918,9 +950,9 @@ def m_beta_shape(c, kw):
     return "beta", "must be [B, T, HV]"
 
 
-def m_q_float64(c, kw):
+def m_q_int(c, kw):
     for n in ("q", "k", "v"):
-        kw[n] = kw[n].detach().double()
+        kw[n] = (kw[n].detach() * 10).to(torch.int32)
     return "q", "dtype must be one of"
 
 
@@ -982,7 +1014,7 @@ def m_safe_lb_range(c, kw):
 
 def m_lb_without_safe(c, kw):
     kw.update(use_gate_in_kernel=False, safe_gate=False, lower_bound=-1.0, A_log=None, dt_bias=None)
-    return "lower_bound", "used only by the safe gate"
+    return "lower_bound", "in-kernel gate only"
 
 
 def m_softplus_no_a_log(c, kw):
@@ -992,22 +1024,22 @@ def m_softplus_no_a_log(c, kw):
 
 def m_a_log_shape(c, kw):
     _softplus(c, kw, A_log=rnd(c.HV + 1))
-    return "A_log", "must have shape [HV]"
+    return "A_log", "must hold HV"
 
 
 def m_a_log_dtype(c, kw):
-    _softplus(c, kw, A_log=rnd(c.HV, dtype=torch.bfloat16))
-    return "A_log", "dtype must be float32"
+    _softplus(c, kw, A_log=torch.ones(c.HV, dtype=torch.int32))
+    return "A_log", "dtype must be one of"
 
 
 def m_dt_bias_shape(c, kw):
     _softplus(c, kw, dt_bias=rnd(c.HV * c.K + 1))
-    return "dt_bias", "must have shape [HV*K]"
+    return "dt_bias", "must hold HV*K"
 
 
 def m_dt_bias_dtype(c, kw):
-    _softplus(c, kw, dt_bias=rnd(c.HV, c.K, dtype=torch.float16))
-    return "dt_bias", "dtype must be float32"
+    _softplus(c, kw, dt_bias=torch.ones(c.HV, c.K, dtype=torch.int64))
+    return "dt_bias", "dtype must be one of"
 
 
 def m_a_log_pregated(c, kw):
@@ -1023,7 +1055,7 @@ def m_dt_bias_pregated(c, kw):
 def m_h0_dtype(c, kw):
     shape = (c.N, c.HV, c.V, c.K) if c.v_first else (c.N, c.HV, c.K, c.V)
     kw["initial_state"] = rnd(*shape, dtype=torch.bfloat16)
-    return "initial_state", "dtype must be float32"
+    return "initial_state", "dtype must be float"
 
 
 def m_h0_n(c, kw):
@@ -1092,7 +1124,7 @@ MUTATIONS: dict[str, Mutation] = {
         m_v_time,
         m_g_shape,
         m_beta_shape,
-        m_q_float64,
+        m_q_int,
         m_k_dtype,
         m_g_int,
         m_beta_bool,
@@ -1194,6 +1226,9 @@ def test_every_option_reaches_the_spec_and_its_memo_key():
         {"initial_state": torch.randn(1, HV, K, K)},
         {"cu_seqlens": torch.tensor([0, 2, 6])},
         {"cu_seqlens": torch.tensor([0, 4, 6]), "cu_seqlens_cpu": torch.tensor([0, 4, 6])},
+        {"return_intermediate_states": True},
+        {"use_graph": True},
+        {"use_graph": True, "max_num_seqs": 2, "cu_seqlens": torch.tensor([0, 6, 6])},
     ]
     covered = {name for variant in variants for name in variant}
     assert set(options.OPTIONS) <= covered, "a new option needs a variant here"
@@ -1227,12 +1262,58 @@ def test_spec_defaults_agree_with_the_declaration():
         assert KDASpec.model_fields[name].is_required() is (name in options.REQUIRED), name
 
 
-@pytest.mark.parametrize(
-    "name, value",
-    [("return_intermediate_states", True), ("cp_context", object()), ("use_graph", True), ("max_num_seqs", 4)],
-)
+@pytest.mark.parametrize("name, value", [("cp_context", object())])
 def test_from_call_refuses_the_fla_only_options(name, value):
     with pytest.raises(KDAInputError) as info:
         KDASpec.from_call(**make(), **{name: value})
     assert info.value.argument == name and "not supported" in info.value.rule
     KDASpec.from_call(**make(), **{name: options.FLA_ONLY[name]})  # the default is accepted
+
+
+# ----------------------------------------------------------------------------------------------- FLA's extra modes
+
+
+def test_intermediate_states_need_a_call_without_gradients():
+    a = make()
+    a["q"].requires_grad_(True)
+    rejects(a, "return_intermediate_states", "without gradients", return_intermediate_states=True)
+    with torch.no_grad():
+        spec = call(a, return_intermediate_states=True)
+    assert spec.case_class.intermediate_states and "+hc/" in spec.case_class.key
+    rejects(
+        make(),
+        "disable_recompute",
+        "return_intermediate_states",
+        return_intermediate_states=True,
+        disable_recompute=True,
+    )
+
+
+def test_intermediate_states_shape_counts_each_sequences_chunks():
+    a = make(B=1, T=70)
+    spec = call(a, return_intermediate_states=True, chunk_size=32, cu_seqlens=torch.tensor([0, 33, 33, 70]))
+    assert spec.intermediate_states_shape() == (1, 2 + 0 + 2, spec.HV, spec.K, spec.V)
+    dense = call(make(B=2, T=70), return_intermediate_states=True, chunk_size=64, state_v_first=True)
+    assert dense.intermediate_states_shape() == (2, 2, dense.HV, dense.V, dense.K)
+
+
+def test_graph_mode_rules():
+    call(make(), use_graph=True)
+    rejects(make(), "max_num_seqs", "use_graph=True", max_num_seqs=2)
+    rejects(
+        make(B=1, T=6),
+        "max_num_seqs",
+        "must equal the number of sequences",
+        use_graph=True,
+        max_num_seqs=3,
+        cu_seqlens=torch.tensor([0, 6, 6]),
+    )
+    rejects(make(), "max_num_seqs", "positive int", use_graph=True, max_num_seqs=0)
+    spec = call(make(B=1, T=6), use_graph=True, cu_seqlens=torch.tensor([0, 2, 6]))
+    assert spec.case_class.graph and "/varlen:graph/" in spec.case_class.key
+    assert CaseClass.from_key(spec.case_class.key) == spec.case_class
+
+
+def test_cu_seqlens_cpu_alone_says_what_fla_would_do():
+    err = rejects(make(B=1, T=6), "cu_seqlens_cpu", "pass cu_seqlens too", cu_seqlens_cpu=torch.tensor([0, 2, 6]))
+    assert "dense" in err.rule

@@ -100,6 +100,9 @@ class ForwardResult:
     o: torch.Tensor  # [B, T, HV, V] in q's dtype
     final_state: torch.Tensor | None  # [N, HV, K, V] (or [N, HV, V, K]) fp32, when asked for
     saved: Any = None  # whatever backward needs beyond the inputs (kept on the autograd context)
+    # with spec.return_intermediate_states: the state entering each chunk, [B, NT, HV, K, V] (or [..., V, K])
+    # in q's dtype (`KDASpec.intermediate_states_shape`)
+    intermediate_states: torch.Tensor | None = None
 
 
 @dataclass

@@ -103,15 +103,16 @@ def cases_for(
     cases = [realistic]
     if not quick:
         extreme = sized("extreme", (3 * C - 5, 1, 0, C + 1) if case_class.varlen else (3 * C - 5,))
-        variant_regime: Regime = "near_zero_bound" if case_class.gate is GateMode.SAFE else "realistic"
+        variant_regime: Regime = "near_zero_bound" if case_class.gate.bounded_sigmoid else "realistic"
         variant = sized(
             variant_regime,
             (C - 3, 0, 2 * C, 5) if case_class.varlen else (C - 3,),
             dt_bias_2d=True,
-            safe_without_A_log=case_class.gate is GateMode.SAFE,
+            safe_without_A_log=case_class.gate.bounded_sigmoid,
         )
         # The variant also takes the gate input in fp32 and uses K != V (so the two state layouts differ).
-        variant = replace(variant, g_dtype="float32", V=max(1, V // 2) if like is None else V)
+        wide = "float64" if case_class.dtype == "float64" else "float32"
+        variant = replace(variant, g_dtype=wide, V=max(1, V // 2) if like is None else V)
         cases += [extreme, variant]
     if long:
         long_T = LONG_T + 27  # a ragged tail at either chunk size
@@ -158,13 +159,17 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
             g = randn(B, T, HV, K)
             A_log = uniform(0.0, math.log(16.0), HV)
         dt_bias = uniform(-5.0, -2.0, HV, K) if cc.gate is GateMode.SOFTPLUS else randn(HV, K, scale=0.5)
-        kwargs["dt_bias"] = (dt_bias if case.dt_bias_2d else dt_bias.reshape(-1)).float()
+        parameter_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the model's weights
+        kwargs["dt_bias"] = (dt_bias if case.dt_bias_2d else dt_bias.reshape(-1)).to(parameter_dtype)
         if not case.safe_without_A_log:
-            kwargs["A_log"] = A_log.float()
+            kwargs["A_log"] = A_log.to(parameter_dtype)
         if cc.gate is GateMode.SAFE:
             kwargs["safe_gate"] = True
             kwargs["lower_bound"] = -0.01 if case.regime == "near_zero_bound" else -5.0
-    if extreme and cc.gate is not GateMode.SAFE:
+        elif cc.gate is GateMode.SIGMOID:  # any bound: past the safe range, and past the floor when extreme
+            by_regime = {"near_zero_bound": -0.01, "extreme": -40.0}
+            kwargs["lower_bound"] = by_regime.get(case.regime, -8.0)
+    if extreme and not cc.gate.bounded_sigmoid:
         # A full reset at one token of each sequence, inside a chunk (never at a chunk's start, nor at the
         # sequence's): pre-gated -inf and -1e30 (alternate channels), softplus g = 1e30 (fp16: its largest).
         # Backends compute it as kda.reference.LOG_DECAY_FLOOR; the reference exactly (exp(-inf) = 0).
@@ -195,6 +200,10 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
         state_v_first=cc.state_v_first,
         chunk_size=cc.chunk_size,
     )
+    if cc.intermediate_states:
+        kwargs["return_intermediate_states"] = True
+    if cc.graph:
+        kwargs["use_graph"] = True
     N = len(case.seq_lens) if cc.varlen else B
     state_shape = (N, HV, V, K) if cc.state_v_first else (N, HV, K, V)
     if cc.varlen:
@@ -202,12 +211,13 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
         for length in case.seq_lens:
             bounds.append(bounds[-1] + length)
         kwargs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32 if case.seed % 2 else torch.int64)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if cc.initial_state:
-        kwargs["initial_state"] = randn(*state_shape, scale=0.5).float()
+        kwargs["initial_state"] = randn(*state_shape, scale=0.5).to(state_dtype)
 
     upstream = {"do": randn(B, T, HV, V).to(dtype)}
     if cc.final_state:
-        upstream["dfinal_state"] = randn(*state_shape).float()
+        upstream["dfinal_state"] = randn(*state_shape).to(state_dtype)
 
     moved = {name: (value.to(device) if isinstance(value, torch.Tensor) else value) for name, value in kwargs.items()}
     if cc.varlen:
@@ -223,7 +233,7 @@ def full_grid() -> list[CaseClass]:
     dims: list[Literal[64, 128, 256]] = [64, 128, 256]
     i = 0
     for dtype in ("bfloat16", "float16", "float32"):
-        for gate in GateMode:
+        for gate in (GateMode.PREGATED, GateMode.SOFTPLUS, GateMode.SAFE):  # the sigmoid gate: variations below
             for training in (False, True):
                 h0, ht, vk = states[i % len(states)]
                 classes.append(
@@ -277,6 +287,14 @@ def full_grid() -> list[CaseClass]:
         {"head_dim": 256},
         {"training": False},
         {"varlen": True, "gva": True, "training": False},
+        {"gate": GateMode.SIGMOID},
+        {"gate": GateMode.SIGMOID, "dtype": "float32", "varlen": True},
+        {"gate": GateMode.SIGMOID, "training": False, "varlen": True, "gva": True},
+        {"dtype": "float64", "head_dim": 64},
+        {"dtype": "float64", "head_dim": 64, "training": False, "varlen": True},
+        {"training": False, "intermediate_states": True},
+        {"training": False, "varlen": True, "intermediate_states": True, "state_v_first": True},
+        {"training": False, "varlen": True, "graph": True},
     ]
     for change in variations:
         classes.append(typical.model_copy(update=change))

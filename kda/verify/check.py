@@ -111,7 +111,7 @@ def _reference(
     leaves = {}
     ref_kwargs = {}
     for name, value in kwargs.items():
-        if name in ("cu_seqlens_cpu", "chunk_size"):  # the recurrence has no chunks
+        if name in ("cu_seqlens_cpu", "use_graph"):  # the recurrence reads cu_seqlens only
             continue
         if isinstance(value, torch.Tensor) and name != "cu_seqlens":
             value = value.detach().to(where, torch.float64)
@@ -122,8 +122,10 @@ def _reference(
             value = value.to(where)
         ref_kwargs[name] = value
     with torch.enable_grad():
-        o, state = kda_reference(**ref_kwargs)
+        o, state, *per_chunk = kda_reference(**ref_kwargs)
     outputs = {"o": o.detach(), "final_state": None if state is None else state.detach()}
+    if per_chunk:
+        outputs["intermediate_states"] = per_chunk[0].detach()
     grads: dict[str, torch.Tensor] = {}
     if training:
         targets, seeds = [o], [upstream["do"].to(where, torch.float64)]
@@ -196,7 +198,7 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
             out = KDAOutputs(
                 o=torch.full((spec.B, spec.T, spec.HV, spec.V), float("nan"), dtype=spec.dtype, device=device),
                 final_state=(
-                    torch.full(spec.state_shape, float("nan"), dtype=torch.float32, device=device)
+                    torch.full(spec.state_shape, float("nan"), dtype=spec.state_dtype, device=device)
                     if spec.output_final_state
                     else None
                 ),
@@ -207,8 +209,10 @@ def _run_case(backend: Backend, case: VerificationCase, device: torch.device) ->
         _poison_allocator(device, [o_bytes, state_bytes])
         with torch.no_grad():
             fwd = backend.forward(inputs, spec, out)
-        got = {"o": fwd.o, "final_state": fwd.final_state}
+        got = {"o": fwd.o, "final_state": fwd.final_state, "intermediate_states": fwd.intermediate_states}
         result.problems += _output_problems(fwd.o, fwd.final_state, spec)
+        if spec.return_intermediate_states:
+            result.problems += _intermediate_problems(fwd.intermediate_states, spec, inputs)
         if cc.training:
             _poison_allocator(device, [t.numel() * t.element_size() for t, _ in snapshot.values()])
             grads: KDAGradients = backend.backward(
@@ -278,15 +282,28 @@ def _output_problems(o: Any, final_state: Any, spec: KDASpec) -> list[str]:
         if not isinstance(final_state, torch.Tensor):
             problems.append("final_state was requested but not returned")
         elif (
-            final_state.dtype != torch.float32
+            final_state.dtype != spec.state_dtype
             or tuple(final_state.shape) != tuple(spec.state_shape)
             or final_state.device != spec.device
         ):
             problems.append(
                 f"final_state is {tuple(final_state.shape)} {final_state.dtype} on {final_state.device}; "
-                f"expected {tuple(spec.state_shape)} torch.float32 on {spec.device}"
+                f"expected {tuple(spec.state_shape)} {spec.state_dtype} on {spec.device}"
             )
     return problems
+
+
+def _intermediate_problems(per_chunk: Any, spec: KDASpec, inputs: KDAInputs) -> list[str]:
+    """Dtype, shape and device of return_intermediate_states' per-chunk states: q's dtype, as FLA's."""
+    if not isinstance(per_chunk, torch.Tensor):
+        return ["return_intermediate_states was requested but no per-chunk states were returned"]
+    shape = spec.intermediate_states_shape(inputs.host_cu_seqlens())
+    if per_chunk.dtype != spec.dtype or tuple(per_chunk.shape) != shape or per_chunk.device != spec.device:
+        return [
+            f"the per-chunk states are {tuple(per_chunk.shape)} {per_chunk.dtype} on {per_chunk.device}; "
+            f"expected {shape} {spec.dtype} on {spec.device}"
+        ]
+    return []
 
 
 @dataclass

@@ -203,7 +203,7 @@ def test_cli_exit_2_for_unknown_backend(capsys):
         "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64",  # one part short
         "pregated/qk/beta/fp32/dense/mha/nostate/c48/d64/fwd",  # chunk 48
         "pregated/qk/beta/fp8/dense/mha/nostate/c32/d64/fwd",  # unknown dtype
-        "sigmoid/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd",  # unknown gate
+        "tanh/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd",  # unknown gate
         "pregated/qk/beta/fp32/dense/mha/nostate/cXX/d64/fwd",
     ],
 )

@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import importlib
 import inspect
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,12 +80,26 @@ def floored_gate_input(
     ``softplus^-1(y) = log(e^y - 1) = y + log(1 - e^-y)``, written ``y + log(-expm1(-y))`` (exact for a tiny
     ``y``, a huge ``exp(A_log)``, and ``y`` itself for a large one). That bound, per value head and channel,
     is computed in fp32 without gradient and rounded to ``g``'s dtype, so the decay FLA forms stops at the
-    floor to within one rounding of ``g``. The safe gate (above ``lower_bound >= -5``) is returned as is.
+    floor to within one rounding of ``g``. The sigmoid gates, ``lb * sigmoid(A x)`` with ``A = exp(A_log)``
+    (1 without A_log) and ``x = g + dt_bias``, reach the floor exactly when ``sigmoid(A x) >= r = floor / lb``,
+    that is ``g >= logit(r) / A - dt_bias``: never when ``lb >= floor`` (the safe gate always), and ``g`` is
+    then returned as is.
     """
     if not spec.use_gate_in_kernel:
         return g.clamp(min=LOG_DECAY_FLOOR)
-    if spec.safe_gate:
-        return g
+    lower_bound = spec.lower_bound
+    if lower_bound is not None:
+        if lower_bound >= LOG_DECAY_FLOOR:
+            return g
+        HV, K = g.shape[-2:]
+        with torch.no_grad():
+            a = torch.ones(HV, 1, device=g.device) if A_log is None else A_log.float().reshape(HV, 1).exp()
+            r = LOG_DECAY_FLOOR / lower_bound  # in (0, 1)
+            bound = torch.full((HV, 1), math.log(r / (1.0 - r)), device=g.device) / a
+            if dt_bias is not None:
+                bound = bound - dt_bias.float().reshape(HV, K)
+            bound = bound.expand(HV, K).to(g.dtype)
+        return g.clamp(max=bound)
     HV, K = g.shape[-2:]
     with torch.no_grad():
         a_log = torch.zeros(HV, 1, device=g.device) if A_log is None else A_log.float().reshape(HV, 1)
@@ -130,9 +145,12 @@ class FLABackend(Backend):
             _pinning.reset(token)
 
     def supports(self, spec: KDASpec) -> Verdict:
+        broken = []
         if spec.device.type != "cuda":
-            return Verdict.no(f"runs on CUDA only; the call is on {spec.device}")
-        return Verdict.yes("FLA implements the whole contract on CUDA")
+            broken.append(f"runs on CUDA only; the call is on {spec.device}")
+        if spec.dtype == torch.float64:
+            broken.append("no float64 (FLA's kernels take bf16, fp16 and fp32; the torch backend serves float64)")
+        return Verdict.unless(broken) if broken else Verdict.yes("FLA implements the whole contract on CUDA")
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
         with triton_path_only():
@@ -155,9 +173,11 @@ class FLABackend(Backend):
         if cu_seqlens is not None:  # FLA's index helpers are written for int64 (LongTensor)
             cu_seqlens = cu_seqlens.long()
             cu_seqlens_cpu = None if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
-        with torch.set_grad_enabled(spec.requires_grad):
+        # FLA returns the per-chunk states only inside torch.inference_mode (the call needs no gradient then)
+        inference = torch.inference_mode() if spec.return_intermediate_states else contextlib.nullcontext()
+        with torch.set_grad_enabled(spec.requires_grad), inference:
             g = floored_gate_input(tensors["g"], spec, tensors.get("A_log"), tensors.get("dt_bias"))
-            o, final_state = run(
+            result = run(
                 tensors["q"],
                 tensors["k"],
                 tensors["v"],
@@ -179,9 +199,18 @@ class FLABackend(Backend):
                 A_log=tensors.get("A_log"),
                 dt_bias=_flat(tensors.get("dt_bias")),
                 chunk_size=spec.chunk_size,
+                return_intermediate_states=spec.return_intermediate_states,
+                use_graph=spec.use_graph,
+                max_num_seqs=spec.max_num_seqs,
             )
+        o, final_state = result[0], result[1]
+        per_chunk = result[2] if spec.return_intermediate_states else None
+        if per_chunk is not None:  # out of inference mode: a plain tensor the caller may use anywhere
+            per_chunk = per_chunk.clone()
+            o = o.clone()
+            final_state = None if final_state is None else final_state.clone()
         saved = (o, final_state, leaves) if spec.requires_grad else None
-        return ForwardResult(o.detach(), None if final_state is None else final_state.detach(), saved)
+        return ForwardResult(o.detach(), None if final_state is None else final_state.detach(), saved, per_chunk)
 
     def _backward(
         self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None

@@ -98,6 +98,10 @@ class FlashKDABackend(Backend):
             broken.append("needs use_beta_sigmoid_in_kernel=True (its beta sigmoid is fused)")
         if spec.allow_neg_eigval:
             broken.append("no allow_neg_eigval (its beta is sigmoid(beta), not 2*sigmoid(beta))")
+        if spec.return_intermediate_states:
+            broken.append("no return_intermediate_states (its fused forward keeps the per-chunk states on chip)")
+        if spec.use_graph and spec.is_varlen:
+            broken.append("use_graph with cu_seqlens: not known to run without reading cu_seqlens on the host")
         return Verdict.unless(broken)
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:

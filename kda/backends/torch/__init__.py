@@ -24,21 +24,25 @@ from kda.spec import KDASpec, cu_seqlens_violation
 
 
 def torch_kda(
-    inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """KDA for one validated call, differentiable through torch ops.
 
-    Returns ``o [B, T, HV, V]`` in `compute_dtype` and the final state in the call's layout (or None).
-    `compute_dtype=torch.float64` with float64 inputs is what the gradcheck test uses. A caller's autocast
-    is switched off inside: the backend computes in `compute_dtype`, as verified, whatever the context.
+    Returns ``o [B, T, HV, V]`` in `compute_dtype`, the final state in the call's layout (or None), and with
+    ``return_intermediate_states`` the state entering every chunk, ``[B, NT, HV, K, V]`` in the call's
+    layout (else None). `compute_dtype` None means float32, or float64 for float64 inputs (what
+    ``torch.autograd.gradcheck`` through `kda.chunk_kda` runs on). A caller's autocast is switched off
+    inside: the backend computes in `compute_dtype`, as verified, whatever the context.
     """
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
     with torch.autocast(spec.device.type, enabled=False):
         return _torch_kda(inputs, spec, compute_dtype)
 
 
 def _torch_kda(
     inputs: KDAInputs, spec: KDASpec, compute_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(compute_dtype)
 
@@ -54,7 +58,6 @@ def _torch_kda(
     g = log_decay(
         g,
         use_gate_in_kernel=spec.use_gate_in_kernel,
-        safe_gate_on=spec.safe_gate,
         A_log=A_log,
         dt_bias=dt_bias,
         lower_bound=spec.lower_bound,
@@ -68,8 +71,9 @@ def _torch_kda(
     if h0 is not None and spec.state_v_first:
         h0 = h0.transpose(-1, -2)  # the kernel-side layout is [N, HV, K, V]
 
+    per_chunk: list[torch.Tensor] | None = [] if spec.return_intermediate_states else None
     if not spec.is_varlen:
-        o, state = chunked_delta_rule(q, k, v, g, beta, spec.scale, h0, spec.chunk_size)
+        o, state = chunked_delta_rule(q, k, v, g, beta, spec.scale, h0, spec.chunk_size, per_chunk)
     else:
         bounds = inputs.host_cu_seqlens()
         assert bounds is not None
@@ -92,15 +96,20 @@ def _torch_kda(
                 spec.scale,
                 h0_n,
                 spec.chunk_size,
+                per_chunk,
             )
             outs.append(o_n)
             states.append(s_n)
         o, state = torch.cat(outs, dim=2), torch.cat(states, dim=0)
 
     o = o.transpose(1, 2)  # [B, T, HV, V]
-    if not spec.output_final_state:
-        return o, None
-    return o, (state.transpose(-1, -2) if spec.state_v_first else state)
+    final = None
+    if spec.output_final_state:
+        final = state.transpose(-1, -2) if spec.state_v_first else state
+    if per_chunk is None:
+        return o, final, None
+    h = torch.stack(per_chunk, dim=1) if per_chunk else q.new_zeros(spec.B, 0, spec.HV, spec.K, spec.V)
+    return o, final, (h.transpose(-1, -2) if spec.state_v_first else h)
 
 
 class TorchBackend(Backend):
@@ -114,20 +123,23 @@ class TorchBackend(Backend):
     description = "chunked algorithm in plain PyTorch (fp32 compute); any device; autograd backward"
 
     def supports(self, spec: KDASpec) -> Verdict:
+        if spec.use_graph and spec.is_varlen and spec.device.type == "cuda":
+            return Verdict.no("use_graph with cu_seqlens: splits the batch at cu_seqlens' values, read on the host")
         return Verdict.yes("implements the whole contract on any device")
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
         with torch.no_grad():
-            o, state = torch_kda(inputs, spec)
+            o, state, per_chunk = torch_kda(inputs, spec)
         o = o.to(spec.dtype)
-        state = None if state is None else state.to(torch.float32)
+        state = None if state is None else state.to(spec.state_dtype)
         if out is not None:
             out.o.copy_(o)
             o = out.o
             if state is not None and out.final_state is not None:
                 out.final_state.copy_(state)
                 state = out.final_state
-        return ForwardResult(o, state)
+        # return_intermediate_states: in k's dtype, as FLA returns them
+        return ForwardResult(o, state, intermediate_states=None if per_chunk is None else per_chunk.to(spec.dtype))
 
     def backward(
         self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None
@@ -152,7 +164,7 @@ class TorchBackend(Backend):
         )
         leaves = replay.differentiable()
         with torch.enable_grad():
-            o, state = torch_kda(replay, spec)
+            o, state, _ = torch_kda(replay, spec)
         outputs, upstream = [o], [do.to(o.dtype)]
         if state is not None and dfinal_state is not None:
             outputs.append(state)

@@ -43,9 +43,11 @@ def chunked_delta_rule(
     scale: float,
     initial_state: torch.Tensor | None,
     chunk_size: int,
+    chunk_states: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule. Returns ``o [B, HV, T, V]`` and the final state ``[B, HV, K, V]``,
-    in the dtype of the inputs (which must all share one floating dtype)."""
+    in the dtype of the inputs (which must all share one floating dtype). With `chunk_states` a list, the
+    state entering each chunk (``[B, HV, K, V]``) is appended to it."""
     B, HV, T, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -60,6 +62,8 @@ def chunked_delta_rule(
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state
     outputs = []
     for c in range(num_chunks):
+        if chunk_states is not None:
+            chunk_states.append(S)
         span = slice(c * C, (c + 1) * C)
         q_c, k_c, v_c, b_c = q[:, :, span], k[:, :, span], v[:, :, span], beta[:, :, span]
         # [B, HV, C, K] float64, <= 0 and non-increasing along C (see the module docstring)

@@ -77,6 +77,10 @@ class TritonBackend(Backend):
                 broken.append("needs compute capability >= 8.0")
         elif not (spec.device.type == "cpu" and _interpreting()):
             broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
+        if spec.dtype == torch.float64:
+            broken.append("no float64 (the torch backend serves float64)")
+        if spec.use_graph and spec.is_varlen and spec.device.type == "cuda":
+            broken.append("use_graph with cu_seqlens: lays out its chunks from cu_seqlens' values on the host")
         return Verdict.unless(broken)
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:

@@ -19,7 +19,7 @@ import triton
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
 from kda.backends.triton.chunks import chunk_layout
 from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
-from kda.backends.triton.gate import PREGATED, SAFE, SOFTPLUS, gate_cumsum_kernel
+from kda.backends.triton.gate import PREGATED, SAFE, SIGMOID, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
 from kda.backends.triton.output import output_kernel
 from kda.backends.triton.state import state_pass_kernel
@@ -91,7 +91,9 @@ def plan_forward(
         reuse = given_ht is not None and given_ht.is_contiguous()
         ht = given_ht if reuse else torch.empty(spec.state_shape, dtype=f32, device=device)
     h0 = None if inputs.initial_state is None else inputs.initial_state.contiguous()
-    gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SAFE: SAFE}[spec.gate_mode]
+    gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SIGMOID: SIGMOID, GateMode.SAFE: SAFE}[
+        spec.gate_mode
+    ]
     BV = min(config.state_block_v, BV_all)
     BVo = min(config.output_block_v, BV_all)
     BKg = min(config.gate_block_k, BK)
@@ -221,6 +223,12 @@ def plan_forward(
         if result_ht is not None and given is not None and result_ht is not given:
             given.copy_(result_ht)
             result_ht = given
+        per_chunk = None
+        if spec.return_intermediate_states:  # h is [NT, HV, K, V], the chunks of each sequence in turn
+            per_chunk = h[:NT].reshape(B, NT // B, HV, K, V)
+            if spec.state_v_first:
+                per_chunk = per_chunk.transpose(-1, -2)
+            per_chunk = per_chunk.to(spec.dtype).contiguous()
         saved = None
         if save:
             saved = {
@@ -237,6 +245,6 @@ def plan_forward(
                 "BV_all": BV_all,
                 "precision": precision,
             }
-        return ForwardResult(result_o, result_ht, saved)
+        return ForwardResult(result_o, result_ht, saved, per_chunk)
 
     return stages, finish

@@ -4,11 +4,12 @@ Per value head ``hv`` and chunk, with ``x = g + dt_bias[hv]``::
 
     pregated   a_t = g_t                                       (already a log decay)
     softplus   a_t = -exp(A_log[hv]) * softplus(x_t)
-    safe       a_t = lower_bound * sigmoid(exp(A_log[hv]) * x_t)   (exp(A_log) = 1 without A_log)
+    sigmoid    a_t = lower_bound * sigmoid(exp(A_log[hv]) * x_t)   (exp(A_log) = 1 without A_log; any bound <= 0)
+    safe       the same, with -5 <= lower_bound < 0 promised
 
     G_t = sum_{s <= t, s in chunk} max(a_s, LOG_DECAY_FLOOR)     (fp32; non-increasing in t, G <= 0)
 
-The floor (`kda.reference.LOG_DECAY_FLOOR`, -32; pre-gated and softplus only, the safe gate stays above -5)
+The floor (`kda.reference.LOG_DECAY_FLOOR`, -32; all but the safe gate, which stays above -5)
 makes a log decay of -1e30 or -inf a reset to within fp32's resolution (exp(-32) ~ 1.3e-14) and keeps ``G``
 within 64 * 32: an fp32 ``G`` at -1e6 (ulp 0.06) lost the other tokens' decays (1.2e-2 off the float64
 reference), one at -inf made ``G_i - G_j`` NaN. It is a ``where``, not a ``max``, so that a NaN stays NaN.
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from kda.reference import LOG_DECAY_FLOOR
 
-PREGATED, SOFTPLUS, SAFE = 0, 1, 2  # values of GATE (host side)
+PREGATED, SOFTPLUS, SAFE, SIGMOID = 0, 1, 2, 3  # values of GATE (host side)
 _PREGATED = tl.constexpr(PREGATED)  # the same, readable inside kernels
 _SOFTPLUS = tl.constexpr(SOFTPLUS)
 _SAFE = tl.constexpr(SAFE)
@@ -79,7 +80,7 @@ def gate_cumsum_kernel(
             if GATE == _SOFTPLUS:
                 # softplus(x) = log(1 + e^x), computed without overflow for large x
                 x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-            else:
+            else:  # the sigmoid and safe gates
                 x = lower_bound * tl.sigmoid(a * x)
         if GATE != _SAFE:
             x = tl.where(x < FLOOR, FLOOR, x)  # see the module docstring

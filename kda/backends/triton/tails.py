@@ -32,11 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.backends.triton.gate import FLOOR, PREGATED, SAFE, SOFTPLUS
+from kda.backends.triton.gate import FLOOR, PREGATED, SAFE, SIGMOID, SOFTPLUS
 from kda.backends.triton.tiles import padded_dim
+from kda.spec import GateMode
 
 _SAFE = tl.constexpr(SAFE)
 _SOFTPLUS = tl.constexpr(SOFTPLUS)
+_SIGMOID = tl.constexpr(SIGMOID)
 ROWS = 32  # tokens per program
 
 
@@ -106,17 +108,21 @@ def gate_beta_tail_kernel(
     offsets = rows[:, None].to(tl.int64) * (HV * K) + i_hv * K + cols[None, :]
     d = tl.load(da + offsets, mask=mask, other=0.0)
     # Triton's compiler takes no `in` (UnsupportedLanguageConstruct); the interpreter does, so only aot sees it
-    if GATE == _SAFE or GATE == _SOFTPLUS:
+    if GATE == _SAFE or GATE == _SOFTPLUS or GATE == _SIGMOID:
         z = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
             z += tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0)[None, :]
         A = 1.0
         if HAS_A_LOG:
             A = tl.exp(tl.load(A_log + i_hv))
-        if GATE == _SAFE:
+        if GATE == _SAFE or GATE == _SIGMOID:
             s = tl.sigmoid(A * z)
             slope = lower_bound * A * s * (1.0 - s)  # da/dz
             per_A_log = z * slope  # da/dA_log = A z lb s'(A z)
+            if GATE == _SIGMOID:  # a bound below the floor: the forward computed the floor there, a constant
+                floored = lower_bound * s < FLOOR
+                slope = tl.where(floored, 0.0, slope)
+                per_A_log = tl.where(floored, 0.0, per_A_log)
         else:
             a = -A * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
             floored = a < FLOOR  # the forward computed the floor: a constant
@@ -153,7 +159,9 @@ def fused_tails(inputs, spec, dq_heads, dk_heads, da, dbeta_heads):
     L2 = spec.use_qk_l2norm_in_kernel
     for x, heads, out in ((q, dq_heads, dq), (k, dk_heads, dk)):
         qk_tail_kernel[(blocks, H)](x, heads, out, tokens, H=H, HV=HV, K=K, L2=L2, BR=ROWS, BK=BK)
-    gate = (SAFE if spec.safe_gate else SOFTPLUS) if spec.use_gate_in_kernel else PREGATED
+    gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SIGMOID: SIGMOID, GateMode.SAFE: SAFE}[
+        spec.gate_mode
+    ]
     A_log, dt_bias = inputs.A_log, inputs.dt_bias
     has_a, has_dt = gate != PREGATED and A_log is not None, gate != PREGATED and dt_bias is not None
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)

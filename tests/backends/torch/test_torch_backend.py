@@ -705,7 +705,7 @@ def test_gradcheck_float64(name, seed):
 
     def fn(*tensors):
         inputs = KDAInputs(**dict(zip(names, tensors)), cu_seqlens=cu)
-        o, state = torch_kda(inputs, spec, compute_dtype=torch.float64)
+        o, state, _ = torch_kda(inputs, spec, compute_dtype=torch.float64)
         return o, state
 
     args = tuple(leaves[n].requires_grad_(True) for n in names)

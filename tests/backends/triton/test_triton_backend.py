@@ -100,6 +100,7 @@ TRAINING_VARIANTS = [
     dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True, state_v_first=True),
     dict(dtype="bfloat16", varlen=True, initial_state=False),
     dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
+    dict(gate=GateMode.SIGMOID, varlen=True),  # lower_bound without safe_gate: -8, and -40 (past the floor)
 ]
 
 
@@ -138,6 +139,9 @@ VARIANTS = [
     dict(dtype="bfloat16", varlen=True, initial_state=False),
     dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
     dict(gate=GateMode.PREGATED, dtype="bfloat16", state_v_first=True, chunk_size=64),
+    dict(gate=GateMode.SIGMOID, dtype="bfloat16", gva=True),
+    dict(intermediate_states=True, varlen=True, state_v_first=True),  # return_intermediate_states
+    dict(intermediate_states=True, dtype="bfloat16", chunk_size=64),
 ]
 
 

@@ -21,6 +21,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import kda
 from kda import dispatch, library
+from kda.backends.torch import TorchBackend
 from kda.verify import relative_error
 from kda.verify.policy import tolerance
 
@@ -221,6 +222,37 @@ def test_compiled_results_equal_eager(kind, seed):
         o, final_state = compiled(call)
         grads = loss_and_grads(o, final_state, call, seed)
     assert [r.backend for r in routes] == ["torch", "torch"]
+    compare_with_eager_and_reference(call, o, final_state, grads, seed)
+
+
+class SavingBackend(TorchBackend):
+    """The torch backend, but its forward saves something its backward requires (as triton's and fla's do)."""
+
+    name = "saving"
+    saves_for_backward = True
+
+    def forward(self, inputs, spec, out=None):
+        result = super().forward(inputs, spec, out)
+        if spec.requires_grad:
+            result.saved = ("from forward", result.o.detach().clone())
+        return result
+
+    def backward(self, inputs, spec, saved, do, dfinal_state):
+        assert saved is not None and saved[0] == "from forward", "backward did not get what forward saved"
+        expected = super().forward(inputs, spec).o
+        torch.testing.assert_close(saved[1], expected, rtol=0, atol=0)
+        return super().backward(inputs, spec, saved, do, dfinal_state)
+
+
+def test_backward_gets_what_the_forward_saved(seed):
+    """A backend whose backward reads `saved` gets it from its own forward run again in the backward op."""
+    kda.register_backend(SavingBackend)
+    call = make_call("dense")
+    compiled = torch.compile(lambda c: kda.chunk_kda(**c, backend="saving"), fullgraph=True, backend="aot_eager")
+    with kda.trace_routes() as routes:
+        o, final_state = compiled(call)
+        grads = loss_and_grads(o, final_state, call, seed)
+    assert [(r.backend, r.phase) for r in routes] == [("saving", "forward"), ("saving", "backward")]
     compare_with_eager_and_reference(call, o, final_state, grads, seed)
 
 

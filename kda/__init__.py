@@ -8,13 +8,14 @@ See README.md for the backends, and `python -m kda.verify --all` to verify them 
 """
 
 from kda._version import __version__
-from kda.api import Route, chunk_kda, explain, trace_routes
+from kda.api import chunk_kda, explain
 from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
 from kda.dispatch import use_backends
-from kda.errors import BackendSelectionError, KDAError, KDAInputError
+from kda.errors import BackendSelectionError, GraphCaptureError, KDAError, KDAInputError
 from kda.reference import kda_reference
 from kda.registry import available_backends, get_backend, register_backend, registered_backends, unregister_backend
 from kda.report import Explanation
+from kda.routes import Route, trace_routes
 from kda.spec import CaseClass, GateMode, KDASpec
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Explanation",
     "ForwardResult",
     "GateMode",
+    "GraphCaptureError",
     "KDAError",
     "KDAGradients",
     "KDAInputError",

@@ -7,58 +7,23 @@ to the same backend. Nothing the caller passed is modified.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kda import dispatch
+from kda import dispatch, library
 from kda.backends.base import Backend, KDAInputs
 from kda.errors import KDAInputError
-from kda.options import KDAArguments
+from kda.options import KDAArguments, normalised
+from kda.routes import Route, note
+from kda.routes import current as _current_routes
 from kda.spec import KDASpec
 
 if TYPE_CHECKING:
     from kda.report import Explanation
-
-
-@dataclass(frozen=True)
-class Route:
-    """One backend invocation: which backend ran which phase of which kind of call."""
-
-    backend: str
-    phase: str  # "forward" or "backward"
-    case_class: str
-
-
-_routes: contextvars.ContextVar[list[Route] | None] = contextvars.ContextVar("kda_routes", default=None)
-
-
-@contextlib.contextmanager
-def trace_routes() -> Iterator[list[Route]]:
-    """Collect a `Route` for every backend forward and backward run inside the block.
-
-    with kda.trace_routes() as routes:
-        o, _ = kda.chunk_kda(q, k, v, g, beta)
-    assert routes[0].backend == "torch"
-    """
-    routes: list[Route] = []
-    token = _routes.set(routes)
-    try:
-        yield routes
-    finally:
-        _routes.reset(token)
-
-
-def _note(backend: Backend, phase: str, spec: KDASpec, routes: list[Route] | None) -> None:
-    if routes is not None:
-        routes.append(Route(backend.name, phase, spec.case_class.key))
 
 
 class _KDAFunction(torch.autograd.Function):
@@ -83,7 +48,7 @@ class _KDAFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
         result = backend.forward(inputs, spec)
-        _note(backend, "forward", spec, routes)
+        note(backend, "forward", spec, routes)
         ctx.backend, ctx.spec, ctx.saved, ctx.routes = backend, spec, result.saved, routes
         ctx.cu = (cu_seqlens, cu_seqlens_cpu)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
@@ -95,7 +60,7 @@ class _KDAFunction(torch.autograd.Function):
         q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, initial_state, *ctx.cu)
         grads = ctx.backend.backward(inputs, ctx.spec, ctx.saved, do, dfinal_state)
-        _note(ctx.backend, "backward", ctx.spec, ctx.routes)
+        note(ctx.backend, "backward", ctx.spec, ctx.routes)
         wanted = ctx.needs_input_grad[5:]
         return (None,) * 5 + tuple(grad if need else None for grad, need in zip(grads.as_tuple(), wanted))
 
@@ -135,46 +100,12 @@ def _take_extra_keywords(args: KDAArguments, extra: dict[str, Any]) -> KDAArgume
     return args
 
 
-def _normalised(args: KDAArguments) -> KDAArguments:
-    """The call as the backends receive it, with FLA's looser inputs made exact (new tensors, never a
-    change to the caller's): a v of another float dtype than q's promotes both to the wider one (the
-    output comes back in v's dtype, as FLA's does); the in-kernel gate's ``A_log`` (any shape with HV
-    values, such as transformers' ``[1, 1, HV, 1]``) becomes ``[HV]`` and, with ``dt_bias``, float32 (float64
-    for float64 calls), since the gate is computed in float32. Anything malformed is left as it is, for
-    `KDASpec` to name."""
-    q, k, v = args.q, args.k, args.v
-    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
-    if tensors and v.dtype != q.dtype and v.is_floating_point() and q.is_floating_point() and k.dtype == q.dtype:
-        wide = torch.promote_types(q.dtype, v.dtype)
-        args = dataclasses.replace(args, q=q.to(wide), k=k.to(wide), v=v.to(wide))
-    if not (args.use_gate_in_kernel is True and tensors and v.dim() == 4):
-        return args
-    HV, K = v.shape[2], q.shape[-1]
-    A_log, dt_bias = args.A_log, args.dt_bias
-    wanted = torch.float64 if args.q.dtype == torch.float64 else torch.float32  # the gate's precision
-    if (
-        isinstance(A_log, torch.Tensor)
-        and A_log.is_floating_point()
-        and A_log.numel() == HV
-        and (A_log.dim() != 1 or A_log.dtype != wanted)
-    ):
-        args = dataclasses.replace(args, A_log=A_log.reshape(HV).to(wanted))
-    if (
-        isinstance(dt_bias, torch.Tensor)
-        and dt_bias.is_floating_point()
-        and dt_bias.numel() == HV * K
-        and (dt_bias.dtype != wanted or tuple(dt_bias.shape) not in ((HV * K,), (HV, K)))
-    ):
-        args = dataclasses.replace(args, dt_bias=dt_bias.reshape(HV * K).to(wanted))
-    return args
-
-
 def _prepare(args: KDAArguments, extra: dict[str, Any]) -> tuple[KDASpec, KDAArguments]:
     """Take FLA's extra keywords, make FLA's looser inputs exact, then build the spec (which refuses the
     FLA options kda does not implement, then checks every rule)."""
     if extra:
         args = _take_extra_keywords(args, extra)
-    args = _normalised(args)
+    args = normalised(args)
     return KDASpec.from_args(args), args
 
 
@@ -182,7 +113,7 @@ def _run(
     spec: KDASpec, args: KDAArguments, backend_request: dispatch.Request, v_dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
     backend = dispatch.select(spec, backend_request)
-    routes = _routes.get()
+    routes = _current_routes()
     tensors = (args.q, args.k, args.v, args.g, args.beta, args.A_log, args.dt_bias, args.initial_state)
     per_chunk = None
     if spec.requires_grad:
@@ -190,9 +121,9 @@ def _run(
     else:
         inputs = KDAInputs(*tensors, args.cu_seqlens, args.cu_seqlens_cpu)
         result = backend.forward(inputs, spec)
-        _note(backend, "forward", spec, routes)
+        note(backend, "forward", spec, routes)
         o, final_state, per_chunk = result.o, result.final_state, result.intermediate_states
-    if o.dtype != v_dtype:  # v was promoted to q's wider dtype (see `_normalised`)
+    if o.dtype != v_dtype:  # v was promoted to q's wider dtype (see `kda.options.normalised`)
         o = o.to(v_dtype)
     final_state = final_state if spec.output_final_state else None
     if spec.return_intermediate_states:
@@ -338,6 +269,8 @@ def chunk_kda(
         dt_bias=dt_bias,
         chunk_size=chunk_size,
     )
+    if torch.compiler.is_compiling():  # one custom op in the graph: kda.library (~0.15 us here when eager)
+        return library.chunk_kda_call(args, kwargs, backend)
     v_dtype = v.dtype if isinstance(v, torch.Tensor) else None
     spec, args = _prepare(args, kwargs)
     return _run(spec, args, backend, v_dtype if v_dtype is not None else spec.dtype)

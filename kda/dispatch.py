@@ -33,9 +33,11 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kda import config, registry, timings
 from kda.backends.base import Backend, Verdict
-from kda.errors import BackendSelectionError, KDAInputError
+from kda.errors import BackendSelectionError, GraphCaptureError, KDAInputError
 from kda.spec import KDASpec
 from kda.verify.check import verify_class
 from kda.verify.records import default_store
@@ -127,6 +129,26 @@ _verify_locks: dict[tuple[str, str, str], threading.Lock] = {}
 _verify_locks_guard = threading.Lock()
 
 
+def capturing() -> bool:
+    """Is a CUDA graph being captured on the current stream? (False on a build without CUDA.)"""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):  # torch built without CUDA: nothing can be capturing
+        return False
+
+
+def _refuse_during_capture(backend: Backend, spec: KDASpec) -> None:
+    """Lazy verification launches kernels, synchronises and allocates as it goes: none of that may happen
+    while a CUDA graph is captured (the capture would fail, or record the verifier's work), so a call
+    that would verify there raises instead. Asked only when a record is missing: no cost per call."""
+    if capturing():
+        raise GraphCaptureError(
+            f"kda would verify backend {backend.name!r} for {spec.case_class.key} on first use, inside CUDA-graph "
+            "capture, where kernels must not launch, synchronise or allocate outside the graph: run the call "
+            "once before capturing (a warm-up), or verify first with `python -m kda.verify`"
+        )
+
+
 def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
     """Has `backend` passed verification for this call's case class on this device?"""
     global _warned_off
@@ -148,6 +170,7 @@ def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
         with lock:
             record = store.get(backend, spec.device, key)
             if record is None:
+                _refuse_during_capture(backend, spec)
                 logger.info("kda: verifying backend %r for %s on %s (first use)", backend.name, key, spec.device)
                 result = verify_class(backend, spec.case_class, spec.device, quick=True, like=spec)
                 record = result.to_record(source="lazy", quick=True)

@@ -40,3 +40,9 @@ class BackendSelectionError(KDAError, RuntimeError):
         for name, why in reasons.items():
             lines.append(f"  {name}: " + "; ".join(why))
         super().__init__("\n".join(lines))
+
+
+class GraphCaptureError(KDAError, RuntimeError):
+    """A call inside CUDA-graph capture needed work that capture forbids: verifying a backend on first use
+    (which launches, synchronises and allocates freely). Run the call once before capture (a warm-up), or
+    run ``python -m kda.verify`` for its case class first."""

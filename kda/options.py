@@ -139,3 +139,37 @@ def signature(
     for name, default in (extra or {}).items():
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
     return inspect.Signature(params, return_annotation=return_annotation)
+
+
+def normalised(args: KDAArguments) -> KDAArguments:
+    """The call as the backends receive it, with FLA's looser inputs made exact (new tensors, never a
+    change to the caller's): a v of another float dtype than q's promotes both to the wider one (the
+    output comes back in v's dtype, as FLA's does); the in-kernel gate's ``A_log`` (any shape with HV
+    values, such as transformers' ``[1, 1, HV, 1]``) becomes ``[HV]`` and, with ``dt_bias``, float32 (float64
+    for float64 calls), since the gate is computed in float32. Anything malformed is left as it is, for
+    `KDASpec` to name."""
+    q, k, v = args.q, args.k, args.v
+    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
+    if tensors and v.dtype != q.dtype and v.is_floating_point() and q.is_floating_point() and k.dtype == q.dtype:
+        wide = torch.promote_types(q.dtype, v.dtype)
+        args = dataclasses.replace(args, q=q.to(wide), k=k.to(wide), v=v.to(wide))
+    if not (args.use_gate_in_kernel is True and tensors and v.dim() == 4):
+        return args
+    HV, K = v.shape[2], q.shape[-1]
+    A_log, dt_bias = args.A_log, args.dt_bias
+    wanted = torch.float64 if args.q.dtype == torch.float64 else torch.float32  # the gate's precision
+    if (
+        isinstance(A_log, torch.Tensor)
+        and A_log.is_floating_point()
+        and A_log.numel() == HV
+        and (A_log.dim() != 1 or A_log.dtype != wanted)
+    ):
+        args = dataclasses.replace(args, A_log=A_log.reshape(HV).to(wanted))
+    if (
+        isinstance(dt_bias, torch.Tensor)
+        and dt_bias.is_floating_point()
+        and dt_bias.numel() == HV * K
+        and (dt_bias.dtype != wanted or tuple(dt_bias.shape) not in ((HV * K,), (HV, K)))
+    ):
+        args = dataclasses.replace(args, dt_bias=dt_bias.reshape(HV * K).to(wanted))
+    return args

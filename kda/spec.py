@@ -113,11 +113,15 @@ class KDASpec(BaseModel):
         return cls.from_args(KDAArguments(*args, **kwargs), requires_grad=requires_grad)
 
     @classmethod
-    def from_args(cls, args: KDAArguments, requires_grad: bool | None = None) -> KDASpec:
+    def from_args(
+        cls, args: KDAArguments, requires_grad: bool | None = None, *, read_host_values: bool = True
+    ) -> KDASpec:
         """Describe a call. Reads no tensor data except a host-resident `cu_seqlens` (no device sync).
 
         `requires_grad` None means: gradients are needed when autograd is on and any differentiable input
-        requires them. Raises `KDAInputError` on any broken rule, FLA options kda does not implement first.
+        requires them. `read_host_values=False` reads no values at all, as for a device-resident
+        `cu_seqlens` (`kda.library` describes calls while `torch.compile` traces them, when tensors have no
+        values yet). Raises `KDAInputError` on any broken rule, FLA options kda does not implement first.
         """
         args.check_fla_only()
         tensors: tuple[torch.Tensor | None, ...] = tensors_of(args)
@@ -150,8 +154,10 @@ class KDASpec(BaseModel):
         # Host values of cu_seqlens, read only when that costs no device sync. When both copies are on
         # the host they must agree (checked in the rules below through `cu_seqlens_values_device`).
         q, cu_seqlens, cu_seqlens_cpu = args.q, args.cu_seqlens, args.cu_seqlens_cpu
-        values = _host_values(cu_seqlens_cpu) if cu_seqlens_cpu is not None else _host_values(cu_seqlens)
-        other = _host_values(cu_seqlens) if cu_seqlens_cpu is not None else None
+        values = other = None
+        if read_host_values:
+            values = _host_values(cu_seqlens_cpu) if cu_seqlens_cpu is not None else _host_values(cu_seqlens)
+            other = _host_values(cu_seqlens) if cu_seqlens_cpu is not None else None
 
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and any(

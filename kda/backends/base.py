@@ -146,6 +146,9 @@ class Backend(abc.ABC):
             gradient.
         writes_into_outputs: whether `forward` honours ``out=`` buffers; the verifier then passes NaN-filled
             buffers, so that an element the kernel forgets to write fails verification.
+        saves_for_backward: whether `backward` reads what `forward` saved. Under ``torch.compile`` the
+            backward runs in an op of its own that cannot receive it, and re-runs `forward` to get it back
+            (`kda.library`); a backend whose `backward` ignores ``saved`` sets False and spares that.
     """
 
     name: ClassVar[str]
@@ -153,6 +156,7 @@ class Backend(abc.ABC):
     priority: ClassVar[int] = 0
     trains: ClassVar[bool] = False
     writes_into_outputs: ClassVar[bool] = False
+    saves_for_backward: ClassVar[bool] = True
     description: ClassVar[str] = ""
 
     def available(self) -> Verdict:

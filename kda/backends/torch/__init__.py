@@ -120,6 +120,7 @@ class TorchBackend(Backend):
     priority = 0
     trains = True
     writes_into_outputs = True
+    saves_for_backward = False  # backward recomputes the forward under autograd
     description = "chunked algorithm in plain PyTorch (fp32 compute); any device; autograd backward"
 
     def supports(self, spec: KDASpec) -> Verdict:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from kda.case_class import CaseClass, GateMode, head_dim_bucket
+from kda.case_class import CaseClass, DtypeName, GateMode, HeadDim, head_dim_bucket
 from kda.errors import KDAInputError
 from kda.options import (
     COUNTS,
@@ -46,7 +46,9 @@ __all__ = [  # the case-class and tensor names are re-exported: `kda.spec` is wh
     "INDEX_DTYPES",
     "MAX_HEAD_DIM",
     "CaseClass",
+    "DtypeName",
     "GateMode",
+    "HeadDim",
     "KDASpec",
     "TensorInfo",
     "cu_seqlens_violation",

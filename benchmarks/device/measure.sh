@@ -12,6 +12,10 @@
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
+#   decode       the decode op (`--mode decode`) at DECODE_SHAPES (default: its 12 shapes), FLA's
+#                fused_recurrent_kda_fwd beside kda's backends and auto, against the copy bandwidth, with --tune
+#   graphs       the GPU tests of CUDA-graph capture and replay (chunk_kda and the decode step) and of
+#                torch.compile: pytest -m gpu over tests/test_compile.py and tests/recurrent
 #   sweep        benchmarks/triton_stages.py: the forward's stages and launch variants at SWEEP_SHAPE, then
 #                the training kernels' variants (--train-sweep, one variant a process)
 #   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
@@ -90,6 +94,17 @@ for target in "$@"; do
     bench train-bench 20 --tune --backend baseline:fla --backend fla --backend triton --backend auto \
       --mode train_safe --cold-start none $(shape_args $SHAPES)
     ;;
+  decode)
+    # shellcheck disable=SC2046
+    bench decode 20 --tune --mode decode --backend baseline:fla --backend triton --backend fla --backend torch \
+      --backend auto $(shape_args ${DECODE_SHAPES:-})
+    ;;
+  graphs)
+    mkdir -p "$OUT/graphs"
+    timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra -m gpu tests/test_compile.py tests/recurrent \
+      > "$OUT/graphs/pytest.txt" 2>&1
+    echo "graphs: exit $?"; tail -n 15 "$OUT/graphs/pytest.txt"
+    ;;
   sweep)
     mkdir -p "$OUT/sweep"
     timeout "$(left 200)" python3 benchmarks/triton_stages.py --sweep "$SWEEP_SHAPE" > "$OUT/sweep/forward.txt" 2>&1
@@ -113,7 +128,7 @@ for target in "$@"; do
     tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, sweep, profile, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, graphs, sweep, profile, tests)" >&2
     exit 2
     ;;
   esac

@@ -63,7 +63,10 @@ class ShapePoint:
         tokens = spec.B * spec.T
         extra = {}
         if isinstance(spec, RecurrentSpec):
-            extra = {"op": spec.op, "pool": f"{spec.pool_kind}:{spec.initial_state.dtype if spec.initial_state else '-'}"}
+            extra = {
+                "op": spec.op,
+                "pool": f"{spec.pool_kind}:{spec.initial_state.dtype if spec.initial_state else '-'}",
+            }
         return cls(
             training=spec.requires_grad,
             gate=spec.gate_mode.value,

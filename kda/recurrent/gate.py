@@ -34,7 +34,9 @@ def kda_gate(
     `KDAInputError` naming the argument when a shape does not fit.
     """
     if not isinstance(g, torch.Tensor) or g.dim() < 2:
-        raise KDAInputError("g", "must be a tensor [..., H, K]", None if not isinstance(g, torch.Tensor) else list(g.shape))
+        raise KDAInputError(
+            "g", "must be a tensor [..., H, K]", None if not isinstance(g, torch.Tensor) else list(g.shape)
+        )
     H, K = g.shape[-2:]
     if A_log is None and lower_bound is None:
         raise KDAInputError("A_log", "the softplus gate (lower_bound=None) requires A_log", "None")

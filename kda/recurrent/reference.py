@@ -74,7 +74,7 @@ def fused_recurrent_reference(
     q, k, v, g, beta = (cast(t) for t in (q, k, v, g, beta))
     A = None if A_log is None else cast(A_log).reshape(-1)
     bias = None if dt_bias is None else cast(dt_bias)
-    B, T, H, K = q.shape
+    B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
     if use_qk_l2norm_in_kernel:
@@ -102,7 +102,11 @@ def fused_recurrent_reference(
         return state.transpose(-1, -2) if state_v_first else state
 
     pooled = ssm_state_indices is not None or inplace_final_state
-    indices = None if ssm_state_indices is None else [[int(x) for x in row] for row in ssm_state_indices.reshape(N, -1).tolist()]
+    indices = (
+        None
+        if ssm_state_indices is None
+        else [[int(x) for x in row] for row in ssm_state_indices.reshape(N, -1).tolist()]
+    )
     accepted = None if num_accepted_tokens is None else [int(x) for x in num_accepted_tokens.tolist()]
     pool = None if not pooled or initial_state is None else initial_state.detach().to("cpu").clone()
     exact_pool = None if pool is None else pool.to(compute_dtype)
@@ -116,6 +120,7 @@ def fused_recurrent_reference(
             read = row[accepted[n] - 1 if accepted is not None else 0]
             if read < 0:  # a padding row: zero output, nothing read or written
                 continue
+            assert initial_state is not None
             S = kv(initial_state[read].to("cpu", compute_dtype))[None]
         elif initial_state is not None:
             S = kv(initial_state[n].to("cpu", compute_dtype))[None]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Literal, cast
 
@@ -144,7 +143,7 @@ class RecurrentCaseClass(BaseModel):
                 initial_state=initial,
                 final_state=final,
                 inplace=inplace,
-                state_dtype=state_dtype,
+                state_dtype=cast(DtypeName, state_dtype),
                 state_v_first=state_v_first,
                 head_dim=cast(HeadDim, int(dim.removeprefix("d"))),
             )
@@ -352,7 +351,11 @@ class RecurrentSpec(BaseModel):
                 rule("lower_bound", "the sigmoid gate needs a finite lower_bound < 0", self.lower_bound)
             if self.A_log is not None:
                 if math.prod(self.A_log.shape) != HV:
-                    rule("A_log", f"must hold HV = {HV} values (e.g. [HV] or [1, 1, HV, 1])", _fmt_shape(self.A_log.shape))
+                    rule(
+                        "A_log",
+                        f"must hold HV = {HV} values (e.g. [HV] or [1, 1, HV, 1])",
+                        _fmt_shape(self.A_log.shape),
+                    )
                 if self.A_log.dtype not in FLOAT_DTYPES:
                     rule("A_log", f"dtype must be one of {', '.join(FLOAT_DTYPES)}", self.A_log.dtype)
             if self.dt_bias is not None:
@@ -367,7 +370,9 @@ class RecurrentSpec(BaseModel):
         else:
             for name in ("A_log", "dt_bias", "lower_bound"):
                 if getattr(self, name) is not None:
-                    rule(name, "is used only with use_gate_in_kernel=True (g is taken as the log decay as given)", "set")
+                    rule(
+                        name, "is used only with use_gate_in_kernel=True (g is taken as the log decay as given)", "set"
+                    )
         if self.allow_neg_eigval and not self.use_beta_sigmoid_in_kernel:
             rule(
                 "allow_neg_eigval",
@@ -442,7 +447,11 @@ class RecurrentSpec(BaseModel):
                 if idx.shape[1] < 1:
                     rule("ssm_state_indices", "[N, T_max] needs T_max >= 1", _fmt_shape(idx.shape))
                 if self.cu_seqlens is None and idx.shape[1] < T:
-                    rule("ssm_state_indices", f"[N, T_max] needs a slot per token: T_max >= T = {T}", _fmt_shape(idx.shape))
+                    rule(
+                        "ssm_state_indices",
+                        f"[N, T_max] needs a slot per token: T_max >= T = {T}",
+                        _fmt_shape(idx.shape),
+                    )
         acc = self.num_accepted_tokens
         if acc is not None:
             if idx is None or len(idx.shape) != 2:
@@ -496,7 +505,9 @@ class RecurrentSpec(BaseModel):
             written = [row[0]] if width == 1 else [s for s in row[: lengths[n]] if s >= 0]
             for slot in written:
                 if owner.setdefault(slot, n) != n:
-                    rule("ssm_state_indices", "two sequences write the same slot (their order would be undefined)", slot)
+                    rule(
+                        "ssm_state_indices", "two sequences write the same slot (their order would be undefined)", slot
+                    )
                     return
 
     def _host_lengths(self, N: int, T: int) -> list[int] | None:
@@ -634,8 +645,3 @@ class RecurrentSpec(BaseModel):
         if self.num_slots is not None:
             shape += f" slots{self.num_slots}"
         return f"{OP} {shape} {self.q.device} :: {self.case_class.key}"
-
-
-def describe_lengths(values: Sequence[int]) -> list[int]:
-    """Sequence lengths from cu_seqlens values."""
-    return [b - a for a, b in zip(values[:-1], values[1:])]

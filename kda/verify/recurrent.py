@@ -33,8 +33,8 @@ from kda.recurrent.reference import fused_recurrent_reference
 from kda.recurrent.spec import RecurrentCaseClass, RecurrentGate, RecurrentSpec
 from kda.verify.check import _same_bits, _verifying, relative_error
 from kda.verify.policy import Assessment
-from kda.verify.recurrent_policy import assess_recurrent, recurrent_tolerance
 from kda.verify.records import Record, Source
+from kda.verify.recurrent_policy import assess_recurrent, recurrent_tolerance
 
 Regime = Literal["realistic", "extreme", "near_zero_bound"]
 
@@ -106,9 +106,7 @@ def recurrent_cases(
     if not quick:
         cases.append(sized("extreme", (4, 1, 0, 1), (3, 1)))
         regime: Regime = "near_zero_bound" if case_class.gate is RecurrentGate.SIGMOID else "realistic"
-        cases.append(
-            sized(regime, (17, 5), (2, 9), with_out=False, param_dtype="bfloat16", g_dtype="float32", **{})
-        )
+        cases.append(sized(regime, (17, 5), (2, 9), with_out=False, param_dtype="bfloat16", g_dtype="float32"))
     return cases
 
 
@@ -260,7 +258,7 @@ def _run(backend: Backend, case: RecurrentCase, device: torch.device) -> Recurre
     ref = fused_recurrent_reference(**{n: v for n, v in kwargs.items() if n != "out"})
     handed = {n: t for n, t in kwargs.items() if isinstance(t, torch.Tensor)}
     snapshot = {n: (t.clone(), t._version) for n, t in handed.items()}
-    inputs = RecurrentInputs(**{n: kwargs.get(n) for n in RecurrentInputs.__dataclass_fields__})
+    inputs = RecurrentInputs(**{n: kwargs.get(n) for n in RecurrentInputs.__dataclass_fields__})  # type: ignore[arg-type]
     result = RecurrentCaseResult(case, passed=False)
     try:
         got = backend.recurrent_forward(inputs, spec)
@@ -285,7 +283,7 @@ def _run(backend: Backend, case: RecurrentCase, device: torch.device) -> Recurre
         padding = _padding_tokens(kwargs, case)
         if padding.any() and not bool((o.detach().cpu().float().reshape(-1, *o.shape[2:])[padding] == 0).all()):
             problems.append("a padding row's output is not zero")
-    pool = kwargs.get("initial_state")
+    pool: torch.Tensor | None = inputs.initial_state
     if spec.inplace_final_state:
         assert pool is not None and ref.pool is not None and ref.exact_pool is not None
         if got.final_state is not pool:
@@ -301,7 +299,11 @@ def _run(backend: Backend, case: RecurrentCase, device: torch.device) -> Recurre
             problems.append("a pool slot the call does not write changed")
     elif spec.output_final_state:
         state = got.final_state
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.float32 or tuple(state.shape) != spec.state_shape:
+        if (
+            not isinstance(state, torch.Tensor)
+            or state.dtype != torch.float32
+            or tuple(state.shape) != spec.state_shape
+        ):
             problems.append(f"final_state is not a float32 tensor of shape {spec.state_shape}")
         else:
             assert ref.final_state is not None
@@ -311,13 +313,15 @@ def _run(backend: Backend, case: RecurrentCase, device: torch.device) -> Recurre
 
     allowed = {"out"} | ({"initial_state"} if spec.inplace_final_state else set())
     changed = [n for n, (t, _) in snapshot.items() if n not in allowed and not _same_bits(t, handed[n])]
-    touched = [n for n, (_, ver) in snapshot.items() if n not in allowed and n not in changed and handed[n]._version != ver]
+    touched = [
+        n for n, (_, ver) in snapshot.items() if n not in allowed and n not in changed and handed[n]._version != ver
+    ]
     if changed:
         problems.append("modified what it was handed: " + ", ".join(changed))
     if touched:
         problems.append("wrote to what it was handed (its version counter moved): " + ", ".join(touched))
-    for name, error in result.errors.items():
-        result.ratios[name] = error / recurrent_tolerance(name, cc)
+    for name, measured in result.errors.items():
+        result.ratios[name] = measured / recurrent_tolerance(name, cc)
     failing = [
         f"{n} rel. error {result.errors[n]:.2e} > tol {recurrent_tolerance(n, cc):.1e}"
         for n, r in result.ratios.items()

@@ -492,9 +492,11 @@ class RecurrentSpec(BaseModel):
             bad = [a for a in accepted if not 1 <= a <= width]
             if bad:
                 rule("num_accepted_tokens", f"must lie in [1, T_max] = [1, {width}]", bad[0])
+                return
         if lengths is not None and len(idx.shape) == 2 and max(lengths, default=0) > width:
             rule("ssm_state_indices", f"[N, T_max] needs T_max >= the longest sequence ({max(lengths)})", width)
-        if not self.inplace_final_state or lengths is None:
+            return
+        if too_big or not self.inplace_final_state or lengths is None:
             return
         owner: dict[int, int] = {}
         for n in range(N):

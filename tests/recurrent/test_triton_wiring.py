@@ -1,0 +1,52 @@
+"""The triton backend serves the decode op through `recurrent.recurrent_forward` (in Triton's CPU
+interpreter here): verified like any backend, chosen when asked, and declining what it does not implement."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import kda
+from kda.backends.triton import TritonBackend
+from kda.recurrent.spec import RecurrentSpec
+from kda.verify.recurrent import recurrent_grid, verify_recurrent_class
+from tests.recurrent.helpers import decode_call
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("interpreter cases are for the CPU; on a GPU `kda.verify --with-recurrent` runs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kda.backends.triton import gate, recurrent, storage
+
+    if not isinstance(recurrent.recurrent_kernel, InterpretedFunction):
+        for module in (storage, gate, recurrent):
+            importlib.reload(module)
+    kda.registry._reset_for_tests()
+
+
+@pytest.mark.parametrize("index", [0, 11, 17])  # the typical pool class, per-token slots, no pool
+def test_triton_passes_decode_classes(interpreted, index):
+    cc = recurrent_grid()[index]
+    result = verify_recurrent_class(TritonBackend(), cc, "cpu", quick=True)
+    assert result.passed, (cc.key, result.reason)
+
+
+def test_triton_is_the_route_when_named(interpreted, seed):
+    call = decode_call(pool="tokens", pool_dtype=torch.bfloat16, seed=seed)
+    with kda.trace_routes() as routes:
+        o, pool = kda.fused_recurrent_kda(**call, backend="triton")
+    assert [r.backend for r in routes] == ["triton"] and pool is call["initial_state"]
+
+
+def test_triton_declines_a_read_only_pool_returning_new_states(interpreted):
+    spec = RecurrentSpec.from_call(**decode_call(inplace=False), output_final_state=True)
+    verdict = TritonBackend().supports_recurrent(spec)
+    assert not verdict and "read-only state pool" in verdict.reasons[0]

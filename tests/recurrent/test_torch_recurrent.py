@@ -125,3 +125,17 @@ def test_kda_gate_is_fla_fused_kda_gate(seed):
     assert A.grad is not None and torch.isfinite(A.grad).all()
     with pytest.raises(kda.KDAInputError, match="A_log"):
         kda.kda_gate(g, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["slots", "tokens"])
+def test_no_host_sync_with_indices_on_the_gpu(pool):
+    """With every index on the GPU, the spec, dispatch and the torch backend read none on the host."""
+    call = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in decode_call(pool=pool).items()}
+    kda.fused_recurrent_kda(**call, backend="torch")  # first call: lazy verification (it may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kda.fused_recurrent_kda(**call, backend="torch")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

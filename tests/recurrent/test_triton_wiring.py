@@ -10,7 +10,9 @@ import torch
 
 import kda
 from kda.backends.triton import TritonBackend
+from kda.recurrent.reference import fused_recurrent_reference
 from kda.recurrent.spec import RecurrentSpec
+from kda.verify import relative_error
 from kda.verify.recurrent import recurrent_grid, verify_recurrent_class
 from tests.recurrent.helpers import decode_call
 
@@ -41,9 +43,11 @@ def test_triton_passes_decode_classes(interpreted, index):
 
 def test_triton_is_the_route_when_named(interpreted, seed):
     call = decode_call(pool="tokens", pool_dtype=torch.bfloat16, seed=seed)
+    ref = fused_recurrent_reference(**call)
     with kda.trace_routes() as routes:
         o, pool = kda.fused_recurrent_kda(**call, backend="triton")
     assert [r.backend for r in routes] == ["triton"] and pool is call["initial_state"]
+    assert relative_error(o, ref.o) <= 1e-3
 
 
 def test_triton_declines_a_read_only_pool_returning_new_states(interpreted):

@@ -147,11 +147,12 @@ def _write_slots(pool: torch.Tensor, slots: torch.Tensor, states: torch.Tensor, 
     depend on their order. When no row writes, every row rewrites slot 0 with its own current value (the
     same bits). Shapes: pool ``[S, ...]``, slots ``[N]`` (>= 0 where `mask`), states ``[N, ...]`` fp32.
     """
-    first = mask.to(torch.int8).argmax()  # the first writing row (row 0 when none writes)
+    first = mask.to(torch.int8).argmax().reshape(1)  # the first writing row (row 0 when none writes)
     anyone = mask.any()
-    target = torch.where(mask, slots, torch.where(anyone, slots[first], torch.zeros_like(slots)))
+    # index_select with a device index, never `x[first]`: a 0-d tensor index would be read on the host
+    target = torch.where(mask, slots, torch.where(anyone, slots.index_select(0, first), torch.zeros_like(slots)))
     wide = (-1,) + (1,) * (states.dim() - 1)
-    value = torch.where(mask.view(wide), states, states[first].unsqueeze(0)).to(pool.dtype)
+    value = torch.where(mask.view(wide), states, states.index_select(0, first)).to(pool.dtype)
     value = torch.where(anyone, value, pool[0].unsqueeze(0).expand_as(value))
     pool.index_copy_(0, target, value)
 

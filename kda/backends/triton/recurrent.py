@@ -234,7 +234,7 @@ def recurrent_kernel(
         delta = b_t * (v_t - tl.sum(S * k_t[:, None], axis=0))  # [BV]
         S = S + k_t[:, None] * delta[None, :]
         o_t = tl.sum(S * q_t[:, None], axis=0)
-        tl.store(o + head * V + vcols, stored(tl.where(live, o_t, 0.0), o, ROUND), mask=mask_v)
+        tl.store(o + head * V + vcols, stored(o_t, o, ROUND), mask=mask_v)  # 0 for padding: all it read was 0
 
         if HAS_HT and INDICES == _SLOT_PER_TOKEN:  # this token's state into its own slot (none if negative)
             slot = tl.load(indices + i_n.to(tl.int64) * stride_idx_n + t * stride_idx_t, mask=t < T_MAX, other=-1)

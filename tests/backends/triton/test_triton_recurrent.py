@@ -73,6 +73,7 @@ class Case:
     pool_dtype: torch.dtype = torch.float32
     accepted: bool = True  # 2-D indices: pass num_accepted_tokens
     padding: tuple[int, ...] = ()  # sequences whose start slot is negative
+    bad_accepted: tuple[int, ...] = ()  # 2-D indices: sequences whose accepted count is 0 or past T_max (padding)
 
 
 def _gates(case: Case, shape: tuple[int, ...]) -> torch.Tensor:
@@ -90,8 +91,12 @@ def _gates(case: Case, shape: tuple[int, ...]) -> torch.Tensor:
     return x * 30 if case.extreme else x  # saturates softplus / sigmoid both ways
 
 
+GUARD_SLOTS = 8  # more than the most negative slot `make_call` writes into indices (-7)
+
+
 def make_call(case: Case, seed: int) -> dict[str, Any]:
-    """The keyword arguments of `recurrent_forward` for `case`, on CPU, outputs NaN-filled."""
+    """The keyword arguments of `recurrent_forward` for `case`, on CPU, outputs NaN-filled; with a pool, also
+    ``guard``: the NaN slots just before it in memory (take it out before the call)."""
     torch.manual_seed(seed)
     H, HV, K, V = case.H, case.H * case.group, case.K, case.V
     N = len(case.lengths)
@@ -144,7 +149,10 @@ def make_call(case: Case, seed: int) -> dict[str, Any]:
     T_max = max(case.lengths) if case.pool == "per_token" else 1
     slots = 3 * N * T_max + 2
     order = torch.randperm(slots)
-    pool = torch.full((slots, HV, *per_head), math.nan).to(case.pool_dtype)
+    # The pool is a view past GUARD_SLOTS NaN slots of its buffer, where a negative slot's read or write would land.
+    buffer = torch.full((GUARD_SLOTS + slots, HV, *per_head), math.nan).to(case.pool_dtype)
+    pool = buffer[GUARD_SLOTS:]
+    call["guard"] = buffer[:GUARD_SLOTS]
     if case.pool == "one":
         indices = order[:N].to(torch.int64 if seed % 2 else torch.int32)
         for n in case.padding:
@@ -164,6 +172,8 @@ def make_call(case: Case, seed: int) -> dict[str, Any]:
                 indices[n, later] = -7  # a token whose state is not kept
             if indices[n, column[n]] >= 0:
                 pool[indices[n, column[n]]] = torch.randn(HV, *per_head).to(case.pool_dtype)
+        for i, n in enumerate(case.bad_accepted):
+            accepted[n] = 0 if i % 2 == 0 else T_max + 1
         if case.accepted:
             call["num_accepted_tokens"] = accepted.to(torch.int32)
     call["ssm_state_indices"] = indices
@@ -219,12 +229,7 @@ def expected(call: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     out_state = None if final is None else final.to(f64).clone()
     for n in range(N):
         b, (start, end) = (0, bounds[n]) if bounds is not None else (n, (0, T))
-        if indices is None:
-            slot = n
-        elif indices.dim() == 1:
-            slot = int(indices[n])
-        else:
-            slot = int(indices[n, int(accepted[n]) - 1 if accepted is not None else 0])
+        slot = _start_slot(call, n)
         if slot < 0:
             continue  # padding: outputs 0, no state read or written
         S = as_kv(initial[slot]) if initial is not None else torch.zeros(HV, K, V, dtype=f64)
@@ -265,10 +270,14 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: str) -
 
 def run_and_check(recurrent, call: dict[str, Any]) -> None:
     """Run the kernel on `call` and check everything it wrote (and everything it must not have)."""
+    guard = call.pop("guard", None)
+    guard_before = None if guard is None else guard.clone()
     pool_before = call["final_state"].clone() if call.get("final_state") is not None else None
     inputs_before = {name: call[name].clone() for name in ("q", "k", "v", "g", "beta")}
     want_o, want_state = expected(call)
     assert recurrent.recurrent_forward(**call) is None
+    if guard is not None:
+        assert _bits(guard).equal(_bits(guard_before)), "a negative slot was written"
     dtype = _dtype_name(call["q"].dtype)
     assert_close("o", call["out"], want_o, dtype)
     for name, before in inputs_before.items():
@@ -312,7 +321,8 @@ def _start_slot(call: dict[str, Any], n: int) -> int:
         return n
     if indices.dim() == 1:
         return int(indices[n])
-    return int(indices[n, int(accepted[n]) - 1 if accepted is not None else 0])
+    column = int(accepted[n]) - 1 if accepted is not None else 0
+    return int(indices[n, column]) if 0 <= column < indices.shape[1] else -1  # outside: padding
 
 
 def _padding_rows(call: dict[str, Any]) -> list[tuple[int, int, int]]:
@@ -395,6 +405,7 @@ POOLS = {
         v_first=True,
         dtype=torch.bfloat16,
     ),
+    "per-token-bad-accepted": Case(pool="per_token", lengths=(2, 3, 1), varlen=True, bad_accepted=(0, 2)),
     "per-token-column0": Case(pool="per_token", accepted=False, lengths=(3, 3), gate="softplus"),
     "per-token-no-read": Case(pool="per_token", initial=False, lengths=(2, 2)),
 }
@@ -431,6 +442,18 @@ def test_pool_slot_of_an_empty_sequence_is_not_touched(recurrent, seed, pool_dty
         call["final_state"][call["ssm_state_indices"][n]] = 7.0
     run_and_check(recurrent, call)
     assert (call["final_state"][call["ssm_state_indices"][[0, 2]]] == 7.0).all()
+
+
+@pytest.mark.parametrize("g", [-math.inf, -1e30, -40.0, -32.0])
+def test_log_decay_is_floored(recurrent, seed, g):
+    """A log decay at or below -32 (`kda.reference.LOG_DECAY_FLOOR`) decays by exactly exp(-32), as the chunked
+    kernels do: with beta = 0 one token leaves ``exp(-32) S_0``."""
+    call = make_call(Case(lengths=(1,), l2=False, beta="given", v_first=g == -40.0), seed)
+    call["g"].fill_(g)
+    call["beta"].zero_()
+    start = call["initial_state"].clone()
+    recurrent.recurrent_forward(**call)
+    torch.testing.assert_close(call["final_state"], start * math.exp(-32.0), rtol=1e-5, atol=0.0)
 
 
 def test_log_decay_of_minus_inf_resets_the_state(recurrent, seed):

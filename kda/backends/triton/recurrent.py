@@ -45,8 +45,9 @@ store chain. What keeps it at the bandwidth:
   layers have passed through L2, so its loads and stores are ``evict_first``; ``q, k, g`` are re-read
   by the other value tiles of the head (and by the GVA group), so they are ``evict_last``; ``v`` and
   ``beta`` are read by one program, ``evict_first``. ``o`` keeps the default: the next kernel reads it.
-- launch configuration (`recurrent_config`): about 32 fp32 state values a thread, which leaves room
-  for the products' temporaries without spilling and several programs per SM to keep loads in flight.
+- launch configuration (`recurrent_config`): 32 value columns and about 32 fp32 state values a thread,
+  which compiles without spills to at most 128 registers and leaves several programs per SM to keep
+  loads in flight.
 
 64-bit offsets: a pool of a few thousand slots of ``HV * K * V`` fp32 states passes 2^31 elements, so
 slot and token offsets are computed in int64.
@@ -82,18 +83,20 @@ class RecurrentConfig:
 
 
 def recurrent_config(K: int, V: int) -> RecurrentConfig:
-    """The launch for head dims ``K`` and ``V`` (reasoned, not yet measured on a GPU).
+    """The launch for head dims ``K`` and ``V`` (reasoned and compiled for sm90 here, not yet timed on a GPU).
 
-    ``BV``: 32 columns when ``K > 64`` (a 128-byte line of an fp32 ``[K, V]`` state row: the narrowest
-    tile whose loads are whole lines), 64 when ``K <= 64`` (the tile stays small, and half as many programs
-    re-read q, k and g); never more than ``V`` needs. Warps: ``BK * BV / (32 * 32)``, i.e. about
-    `_STATE_VALUES_PER_THREAD` fp32 state values a thread (K = 128: 4 warps; K = 256: 8), between 1 and 8.
-    A thread then holds the state, one temporary tile of the same size, and the token vectors: about
-    80 registers at K = 128, which leaves several programs per SM to keep loads in flight. Wider tiles
-    (64 columns at K = 256, 4 warps) would put 128 state values in a thread and spill.
+    ``BV = 32`` (fewer when ``V`` is smaller): a whole 128-byte line of an fp32 ``[K, V]`` state row, the
+    narrowest tile whose loads are whole lines, and as many programs as a narrow tile gives, which a small
+    decode batch needs to fill the GPU. Warps: ``BK * BV / (32 * 32)``, i.e. about
+    `_STATE_VALUES_PER_THREAD` fp32 state values a thread, between 1 and 8 (K = 64: 2 warps, 128: 4, 256: 8).
+    Compiled for sm90 on the CPU (Triton 3.9; bf16 inputs, 1-D and 2-D pools, both layouts): 106 to 128
+    registers a thread at K = V = 64, 128 and 256, no spills, at most 1 KB of shared memory (the
+    reductions' scratch), so 2 to 4 programs (16 warps) an SM and 32 to 64 KB of state loads in flight
+    per SM. A 64-column tile at the same state values per thread took 168 to 252 registers (K = 64 and
+    128), halving the programs an SM holds, and 8 warps at K = 128 took 228.
     """
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 64 if BK <= 64 else 32)
+    BV = min(triton.next_power_of_2(V), 32)
     warps = BK * BV // (32 * _STATE_VALUES_PER_THREAD)
     return RecurrentConfig(block_v=BV, num_warps=max(1, min(8, warps)))
 
@@ -234,7 +237,7 @@ def recurrent_kernel(
         delta = b_t * (v_t - tl.sum(S * k_t[:, None], axis=0))  # [BV]
         S = S + k_t[:, None] * delta[None, :]
         o_t = tl.sum(S * q_t[:, None], axis=0)
-        tl.store(o + head * V + vcols, stored(tl.where(live, o_t, 0.0), o, ROUND), mask=mask_v)
+        tl.store(o + head * V + vcols, stored(o_t, o, ROUND), mask=mask_v)  # 0 for padding: all it read was 0
 
         if HAS_HT and INDICES == _SLOT_PER_TOKEN:  # this token's state into its own slot (none if negative)
             slot = tl.load(indices + i_n.to(tl.int64) * stride_idx_n + t * stride_idx_t, mask=t < T_MAX, other=-1)

@@ -11,8 +11,14 @@ each program in numpy): N <= 5, heads 1-4, K and V 16..80, T <= 8, plus one case
 from __future__ import annotations
 
 import importlib
+import itertools
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,6 +79,7 @@ class Case:
     pool_dtype: torch.dtype = torch.float32
     accepted: bool = True  # 2-D indices: pass num_accepted_tokens
     padding: tuple[int, ...] = ()  # sequences whose start slot is negative
+    bad_accepted: tuple[int, ...] = ()  # 2-D indices: sequences whose accepted count is 0 or past T_max (padding)
 
 
 def _gates(case: Case, shape: tuple[int, ...]) -> torch.Tensor:
@@ -90,8 +97,12 @@ def _gates(case: Case, shape: tuple[int, ...]) -> torch.Tensor:
     return x * 30 if case.extreme else x  # saturates softplus / sigmoid both ways
 
 
+GUARD_SLOTS = 8  # more than the most negative slot `make_call` writes into indices (-7)
+
+
 def make_call(case: Case, seed: int) -> dict[str, Any]:
-    """The keyword arguments of `recurrent_forward` for `case`, on CPU, outputs NaN-filled."""
+    """The keyword arguments of `recurrent_forward` for `case`, on CPU, outputs NaN-filled; with a pool, also
+    ``guard``: the NaN slots just before it in memory (take it out before the call)."""
     torch.manual_seed(seed)
     H, HV, K, V = case.H, case.H * case.group, case.K, case.V
     N = len(case.lengths)
@@ -144,7 +155,10 @@ def make_call(case: Case, seed: int) -> dict[str, Any]:
     T_max = max(case.lengths) if case.pool == "per_token" else 1
     slots = 3 * N * T_max + 2
     order = torch.randperm(slots)
-    pool = torch.full((slots, HV, *per_head), math.nan).to(case.pool_dtype)
+    # The pool is a view past GUARD_SLOTS NaN slots of its buffer, where a negative slot's read or write would land.
+    buffer = torch.full((GUARD_SLOTS + slots, HV, *per_head), math.nan).to(case.pool_dtype)
+    pool = buffer[GUARD_SLOTS:]
+    call["guard"] = buffer[:GUARD_SLOTS]
     if case.pool == "one":
         indices = order[:N].to(torch.int64 if seed % 2 else torch.int32)
         for n in case.padding:
@@ -164,9 +178,15 @@ def make_call(case: Case, seed: int) -> dict[str, Any]:
                 indices[n, later] = -7  # a token whose state is not kept
             if indices[n, column[n]] >= 0:
                 pool[indices[n, column[n]]] = torch.randn(HV, *per_head).to(case.pool_dtype)
+        for i, n in enumerate(case.bad_accepted):
+            accepted[n] = 0 if i % 2 == 0 else T_max + 1
         if case.accepted:
             call["num_accepted_tokens"] = accepted.to(torch.int32)
     call["ssm_state_indices"] = indices
+    for n in (*case.padding, *case.bad_accepted):  # a padding sequence's tokens are NaN: it must read none
+        b, start, end = _sequence_rows(call)[n]
+        for name in ("q", "k", "v", "g", "beta"):
+            call[name][b, start:end] = math.nan
     if case.initial:
         call["initial_state"] = pool
     if case.final:
@@ -198,9 +218,7 @@ def expected(call: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         dt_bias=None if dt_bias is None else dt_bias.to(f64),
         lower_bound=call["lower_bound"],
     )
-    beta = beta_transform(
-        beta, sigmoid=call["use_beta_sigmoid_in_kernel"], allow_neg_eigval=call["allow_neg_eigval"]
-    )
+    beta = beta_transform(beta, sigmoid=call["use_beta_sigmoid_in_kernel"], allow_neg_eigval=call["allow_neg_eigval"])
     v_first = call["state_v_first"]
 
     def as_kv(state: torch.Tensor) -> torch.Tensor:  # [HV, K, V]
@@ -210,21 +228,11 @@ def expected(call: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     def as_stored(S: torch.Tensor) -> torch.Tensor:
         return S.transpose(-1, -2) if v_first else S
 
-    cu = call.get("cu_seqlens")
-    bounds = [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])] if cu is not None else None
-    N = len(bounds) if bounds is not None else B
-    initial, final = call.get("initial_state"), call.get("final_state")
-    indices, accepted = call.get("ssm_state_indices"), call.get("num_accepted_tokens")
+    initial, final, indices = call.get("initial_state"), call.get("final_state"), call.get("ssm_state_indices")
     o = torch.zeros(B, T, HV, V, dtype=f64)
     out_state = None if final is None else final.to(f64).clone()
-    for n in range(N):
-        b, (start, end) = (0, bounds[n]) if bounds is not None else (n, (0, T))
-        if indices is None:
-            slot = n
-        elif indices.dim() == 1:
-            slot = int(indices[n])
-        else:
-            slot = int(indices[n, int(accepted[n]) - 1 if accepted is not None else 0])
+    for n, (b, start, end) in enumerate(_sequence_rows(call)):
+        slot = _start_slot(call, n)
         if slot < 0:
             continue  # padding: outputs 0, no state read or written
         S = as_kv(initial[slot]) if initial is not None else torch.zeros(HV, K, V, dtype=f64)
@@ -265,10 +273,14 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: str) -
 
 def run_and_check(recurrent, call: dict[str, Any]) -> None:
     """Run the kernel on `call` and check everything it wrote (and everything it must not have)."""
+    guard = call.pop("guard", None)
+    guard_before = None if guard is None else guard.clone()
     pool_before = call["final_state"].clone() if call.get("final_state") is not None else None
     inputs_before = {name: call[name].clone() for name in ("q", "k", "v", "g", "beta")}
     want_o, want_state = expected(call)
     assert recurrent.recurrent_forward(**call) is None
+    if guard is not None:
+        assert _bits(guard).equal(_bits(guard_before)), "a negative slot was written"
     dtype = _dtype_name(call["q"].dtype)
     assert_close("o", call["out"], want_o, dtype)
     for name, before in inputs_before.items():
@@ -301,7 +313,7 @@ def _sequence_rows(call: dict[str, Any]) -> list[tuple[int, int, int]]:
     """(batch row, first token, end) of each sequence."""
     cu = call.get("cu_seqlens")
     if cu is not None:
-        return [(0, int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+        return [(0, int(a), int(b)) for a, b in itertools.pairwise(cu.tolist())]
     B, T = call["q"].shape[:2]
     return [(b, 0, T) for b in range(B)]
 
@@ -312,7 +324,8 @@ def _start_slot(call: dict[str, Any], n: int) -> int:
         return n
     if indices.dim() == 1:
         return int(indices[n])
-    return int(indices[n, int(accepted[n]) - 1 if accepted is not None else 0])
+    column = int(accepted[n]) - 1 if accepted is not None else 0
+    return int(indices[n, column]) if 0 <= column < indices.shape[1] else -1  # outside: padding
 
 
 def _padding_rows(call: dict[str, Any]) -> list[tuple[int, int, int]]:
@@ -395,6 +408,7 @@ POOLS = {
         v_first=True,
         dtype=torch.bfloat16,
     ),
+    "per-token-bad-accepted": Case(pool="per_token", lengths=(2, 3, 1), varlen=True, bad_accepted=(0, 2)),
     "per-token-column0": Case(pool="per_token", accepted=False, lengths=(3, 3), gate="softplus"),
     "per-token-no-read": Case(pool="per_token", initial=False, lengths=(2, 2)),
 }
@@ -433,6 +447,18 @@ def test_pool_slot_of_an_empty_sequence_is_not_touched(recurrent, seed, pool_dty
     assert (call["final_state"][call["ssm_state_indices"][[0, 2]]] == 7.0).all()
 
 
+@pytest.mark.parametrize("g", [-math.inf, -1e30, -40.0, -32.0])
+def test_log_decay_is_floored(recurrent, seed, g):
+    """A log decay at or below -32 (`kda.reference.LOG_DECAY_FLOOR`) decays by exactly exp(-32), as the chunked
+    kernels do: with beta = 0 one token leaves ``exp(-32) S_0``."""
+    call = make_call(Case(lengths=(1,), l2=False, beta="given", v_first=g == -40.0), seed)
+    call["g"].fill_(g)
+    call["beta"].zero_()
+    start = call["initial_state"].clone()
+    recurrent.recurrent_forward(**call)
+    torch.testing.assert_close(call["final_state"], start * math.exp(-32.0), rtol=1e-5, atol=0.0)
+
+
 def test_log_decay_of_minus_inf_resets_the_state(recurrent, seed):
     """A token with log decay -inf (every K column) forgets the state before it: the output from there on is
     the one a zero start state gives, to fp32's resolution."""
@@ -458,7 +484,7 @@ def test_launch_configs_bound_registers(recurrent):
             BK = triton.next_power_of_2(K)
             assert config.block_v <= max(16, triton.next_power_of_2(V))
             assert BK * config.block_v // (32 * config.num_warps) <= 32, (K, V, config)
-            if K > 64 and V >= 32:
+            if V >= 32:
                 assert config.block_v == 32  # a whole 128-byte line of an fp32 state row
     assert recurrent.recurrent_config(128, 128) == recurrent.RecurrentConfig(block_v=32, num_warps=4)
     assert recurrent.recurrent_config(256, 256) == recurrent.RecurrentConfig(block_v=32, num_warps=8)
@@ -475,3 +501,48 @@ def test_rejects_what_it_cannot_serve(recurrent, seed):
     with pytest.raises(KDAInputError, match="`initial_state`"):
         recurrent.recurrent_forward(**{**call, "initial_state": call["initial_state"].transpose(-1, -2)})
     assert torch.isnan(call["out"]).all()  # nothing ran
+
+
+# Compiles the kernel for sm90 with Triton's real compiler (ptxas included) in a fresh process (the tests here
+# keep Triton in interpreter mode) and prints one JSON line: registers and spill bytes per configuration.
+_COMPILE = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from kda.backends.triton.aot import _registers
+from kda.backends.triton.recurrent import ONE_SLOT, SLOT_PER_TOKEN, recurrent_config, recurrent_kernel
+
+found = {}
+for K, state, mode, v_first in [(64, "*fp32", ONE_SLOT, False), (128, "*bf16", SLOT_PER_TOKEN, True),
+                                (256, "*fp32", ONE_SLOT, True), (256, "*bf16", SLOT_PER_TOKEN, False)]:
+    config = recurrent_config(K, K)
+    pointers = ["q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "h0", "ht", "cu_seqlens", "indices", "num_accepted"]
+    types = ["*bf16"] * 6 + ["*fp32", "*fp32", state, state] + ["*i32"] * 3
+    signature = dict(zip(pointers, types))
+    signature.update(scale="fp32", lower_bound="fp32", T="i32", T_MAX="i32", stride_h0="i64", stride_ht="i64",
+                     stride_idx_n="i32", stride_idx_t="i32")
+    constants = dict(H=16, HV=32, K=K, V=K, BK=K, BV=config.block_v, GATE=1, HAS_A_LOG=True, HAS_DT_BIAS=True,
+                     L2=True, SIGMOID=True, TWO=False, V_FIRST=v_first, HAS_H0=True, HAS_HT=True, VARLEN=True,
+                     INDICES=mode, HAS_ACCEPTED=mode == SLOT_PER_TOKEN, ROUND=False)
+    source = ASTSource(fn=recurrent_kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")},
+                       constexprs=constants)
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
+    found[f"{K}-{state}-{mode}-{v_first}"] = _registers(kernel.asm["cubin"])
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_without_spills():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines and ("ptxas" in done.stderr or "No such file" in done.stderr):
+        pytest.skip(f"Triton cannot compile for CUDA here: {done.stderr.strip().splitlines()[-1]}")
+    assert lines, done.stderr[-2000:]
+    found = json.loads(lines[-1])
+    print(found)
+    for name, usage in found.items():  # None where Triton ships no cuobjdump
+        assert usage["spill_bytes"] in (None, 0), (name, usage)
+        assert usage["registers"] is None or 0 < usage["registers"] <= 255, (name, usage)

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Console(soft_wrap=True)
     err = Console(stderr=True)
     if args.list_cases:
-        for cc in full_grid():
+        listed: list[Any] = [*full_grid(), *(recurrent_grid() if args.with_recurrent else [])]
+        for cc in listed:
             out.print(cc.key)
         return 0
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kda
 from kda.backends.base import RecurrentResult
@@ -129,3 +130,16 @@ def test_every_grid_class_round_trips():
     assert all(RecurrentCaseClass.from_key(k).key == k for k in keys)
     assert {RecurrentCaseClass.from_key(k).pool for k in keys} == {"none", "slots", "tokens"}
     assert {RecurrentCaseClass.from_key(k).state_dtype for k in keys} >= {"bfloat16", "float32"}
+
+
+def test_the_verify_command_line_takes_decode_classes(capsys):
+    from kda.verify import cli
+    from kda.verify.records import default_store
+
+    assert cli.main(["--list-cases", "--with-recurrent"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert TYPICAL.key in listed and any(not k.startswith("recurrent/") for k in listed)
+    assert cli.main(["--backend", "torch", "--case", TYPICAL.key, "--quick"]) == 0
+    record = default_store().get(kda.get_backend("torch"), torch.device("cpu"), TYPICAL.key)
+    assert record is not None and record.source == "verify" and record.passed
+    assert cli.main(["--backend", "torch", "--case", "recurrent/nonsense"]) == 2

@@ -26,11 +26,16 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kda.backends.triton import gate, recurrent, storage
+    from kda.backends.triton import gate, recurrent, storage, tiles
 
-    if not isinstance(recurrent.recurrent_kernel, InterpretedFunction):
-        for module in (storage, gate, recurrent):
+    # A module imported while TRITON_INTERPRET was 0 (an earlier test's dispatch imports the backend) holds
+    # compiled functions: the kernel and every helper it calls must be interpreted.
+    if not all(isinstance(f, InterpretedFunction) for f in (storage.stored, recurrent.recurrent_kernel)):
+        for module in (storage, tiles, gate, recurrent):  # helpers first, then the kernel that calls them
             importlib.reload(module)
+    assert isinstance(recurrent.recurrent_kernel, InterpretedFunction) and isinstance(
+        storage.stored, InterpretedFunction
+    )
     kda.registry._reset_for_tests()
 
 

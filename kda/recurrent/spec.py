@@ -275,7 +275,24 @@ class RecurrentSpec(BaseModel):
                     )
         if scale is None:
             scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else 1.0
-        return cls(
+        # A call shaped like an earlier valid one gets that call's spec back without re-running the rules,
+        # which depend only on this key, unless an index tensor is on the host: its values are then checked
+        # on every call. (A decode step is short: the checks cost about as much as a small batch's kernel.)
+        host_indices = any(
+            t is not None and t.device.type == "cpu" for t in (cu_seqlens, ssm_state_indices, num_accepted_tokens)
+        )
+        memo_key = None
+        if not host_indices:
+            memo_key = (
+                tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors.values()),
+                tuple(flags.values()),
+                float(scale),
+                lower_bound,
+            )
+            cached = _memo.get(memo_key)
+            if cached is not None:
+                return cached
+        spec = cls(
             **{name: (None if t is None else TensorInfo.of(t)) for name, t in tensors.items()},
             cu_seqlens_values=_host_ints(cu_seqlens) if cu_seqlens is not None and cu_seqlens.dim() == 1 else None,
             indices_values=_host_ints(ssm_state_indices),
@@ -284,6 +301,11 @@ class RecurrentSpec(BaseModel):
             lower_bound=None if lower_bound is None else float(lower_bound),
             **flags,
         )
+        if memo_key is not None:
+            if len(_memo) >= _MEMO_LIMIT:
+                _memo.clear()
+            _memo[memo_key] = spec
+        return spec
 
     # ------------------------------------------------------------------ the rules
     @model_validator(mode="after")
@@ -647,3 +669,7 @@ class RecurrentSpec(BaseModel):
         if self.num_slots is not None:
             shape += f" slots{self.num_slots}"
         return f"{OP} {shape} {self.q.device} :: {self.case_class.key}"
+
+
+_memo: dict[tuple, RecurrentSpec] = {}
+_MEMO_LIMIT = 1024

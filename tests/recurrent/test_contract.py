@@ -141,3 +141,13 @@ def test_case_class_keys_round_trip_and_name_the_op():
         RecurrentCaseClass.from_key("safe/l2/sig/bf16/dense/mha/nostate/c64/d128/fwd")
     spec = RecurrentSpec.from_call(**decode_call(pool="tokens", pool_dtype=torch.bfloat16, state_v_first=True))
     assert spec.case_class.key == "recurrent/sigmoid/qk/sig/fp32/varlen/gva/tokens+inplace:bf16:vk/d64"
+
+
+def test_specs_are_reused_unless_index_values_must_be_checked():
+    call = decode_call(pool="none", varlen=False, lengths=(1, 1, 1))  # dense: no index tensor at all
+    assert RecurrentSpec.from_call(**call) is RecurrentSpec.from_call(**call)
+    pooled = decode_call()
+    first = RecurrentSpec.from_call(**pooled)
+    assert RecurrentSpec.from_call(**pooled) is not first  # host indices: their values are checked each call
+    with pytest.raises(kda.KDAInputError, match="num_slots"):
+        RecurrentSpec.from_call(**dict(pooled, ssm_state_indices=torch.tensor([0, 1, 2, 99])))

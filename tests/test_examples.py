@@ -39,3 +39,13 @@ def test_custom_backend_is_verified_chosen_for_inference_and_skipped_for_trainin
     assert "chosen: recurrent-fp32" in out
     assert "training ran on: torch" in out
     assert (tmp_path / "cache" / "verification").is_dir()
+
+
+def test_serving_decode_runs_pools_padding_and_speculative_decoding_on_cpu(tmp_path):
+    out = run_example("serving_decode.py", tmp_path)
+    assert "continuous batching: ran on ['torch']" in out
+    pooled = float(out.split("request 0's pooled state vs chunk_kda:")[1].split()[0])
+    assert pooled < 8e-3  # a bf16 pool, re-read every step: a few bf16 roundings, decayed
+    assert "padding row output zero: True" in out
+    accepted = float(out.split("accepted states vs one token at a time:")[1].split()[0])
+    assert accepted < 8e-3  # one bf16 rounding (kda.verify.recurrent_policy.POOL_ROUNDING_TOLERANCE)

@@ -28,6 +28,10 @@ BOTTOM = {
     "kda.spec",
     "kda.case_class",
     "kda.tensor_info",
+    "kda.recurrent",
+    "kda.recurrent.spec",
+    "kda.recurrent.reference",
+    "kda.recurrent.gate",
     "kda.errors",
     "kda.config",
     "kda.reference",
@@ -38,7 +42,7 @@ BOTTOM = {
 
 def layer_of(module: str) -> str:
     """The layer a kda module belongs to (a module name such as ``kda.verify.check``)."""
-    if module in ("kda", "kda.api", "kda.report", "kda.library", "kda.routes"):
+    if module in ("kda", "kda.api", "kda.report", "kda.library", "kda.routes", "kda.recurrent.api"):
         return "api"
     for prefix in ("kda.verify", "kda.bench", "kda.backends"):
         if module == prefix or module.startswith(prefix + "."):
@@ -55,9 +59,17 @@ ALLOWED: dict[str, set[str]] = {
     "dispatch": {"verify", "timings", "registry", "backends.base", *BOTTOM},
     "verify": {"backends.base", "registry", "workloads", *BOTTOM},
     "bench": {"api", "timings", "workloads", "registry", *BOTTOM},
-    "timings": {"kda.store", "kda.spec", "kda.config", "kda._version"},
+    "timings": {"kda.store", "kda.spec", "kda.recurrent.spec", "kda.config", "kda._version"},
     "registry": {"backends", "backends.base", *BOTTOM},
-    "backends": {"kda.spec", "kda.case_class", "kda.tensor_info", "kda.reference", "kda.errors", "kda.config"},
+    "backends": {
+        "kda.spec",
+        "kda.case_class",
+        "kda.tensor_info",
+        "kda.recurrent.spec",
+        "kda.reference",
+        "kda.errors",
+        "kda.config",
+    },
     "workloads": {"kda.spec", "kda.case_class"},
     "bottom": set(BOTTOM),
 }
@@ -66,6 +78,7 @@ ALLOWED: dict[str, set[str]] = {
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # The bench's `fla` baseline times FLA's own function directly, not through kda's dispatch.
     ("kda.bench.runner", "kda.backends.fla"): "the raw FLA baseline",
+    ("kda.bench.decode", "kda.backends.fla.recurrent"): "the raw FLA baseline of the decode op",
 }
 
 

@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         "--mode",
         action="append",
         default=[],
-        choices=sorted(MODES),
-        help="fwd, fwd_pregated, train_pregated or train_safe (repeatable; default: all four)",
+        choices=[*sorted(MODES), "decode"],
+        help="fwd, fwd_pregated, train_pregated or train_safe (repeatable; default: all four); or decode "
+        "alone: the decode op (fused_recurrent_kda) against the memory floor, shapes N{n}_T{t}_HV{h}_D{d}_{fp32|bf16}",
     )
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument(
@@ -198,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         if bad is not None:
             return cliargs.usage_error(PROG, bad)
         return _merge(args.merge, parts, args.out, out, err)  # type: ignore[arg-type]
+    if "decode" in args.mode:  # the decode op: its own shapes, rows and floor (kda.bench.decode)
+        if len(set(args.mode)) > 1:
+            return cliargs.usage_error(PROG, "--mode decode runs on its own (its shapes are decode shapes)")
+        from kda.bench.decode import main_decode
+
+        return main_decode(args, out, err)
     if not _check_names(args, err):
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

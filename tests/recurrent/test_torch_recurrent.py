@@ -139,3 +139,33 @@ def test_no_host_sync_with_indices_on_the_gpu(pool):
         kda.fused_recurrent_kda(**call, backend="torch")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+def test_decode_step_captured_in_a_cuda_graph(backend):
+    """One serving step (a pool, padding rows, 1 token a sequence), warmed up, captured in a CUDA graph,
+    replayed on new inputs written into the same buffers: the pool and o equal an eager step's."""
+    call = decode_call(lengths=(1, 1, 1, 1), varlen=False, pool="slots", K=64, V=64, dtype=torch.bfloat16)
+    call = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in call.items()}
+    out = torch.empty_like(call["v"])
+    pool = call["initial_state"]
+    kda.fused_recurrent_kda(**{**call, "initial_state": pool.clone()}, out=torch.empty_like(out), backend=backend)
+    torch.cuda.synchronize()  # warmed up: verified, compiled
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        before = pool.clone()
+        with torch.cuda.graph(graph, stream=stream):
+            kda.fused_recurrent_kda(**call, out=out, backend=backend)
+    pool.copy_(before)
+    fresh = {n: torch.randn_like(call[n]) for n in ("q", "v", "g", "beta")}
+    for name, t in fresh.items():
+        call[name].copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected_pool = before.clone()
+    expected_o = torch.empty_like(out)
+    kda.fused_recurrent_kda(**{**call, "initial_state": expected_pool}, out=expected_o, backend=backend)
+    torch.testing.assert_close(out, expected_o, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(pool, expected_pool, rtol=0, atol=0, equal_nan=True)

@@ -32,10 +32,12 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kda import config, registry, timings
 from kda.backends.base import Backend, Verdict
 from kda.errors import BackendSelectionError, KDAInputError
+from kda.recurrent.spec import RecurrentSpec
 from kda.spec import KDASpec
 from kda.verify.check import verify_class
 from kda.verify.records import default_store
@@ -43,6 +45,9 @@ from kda.verify.records import default_store
 logger = logging.getLogger("kda")
 
 Request = str | Sequence[str]
+# A call of either op: `chunk_kda` (KDASpec) or the decode op `fused_recurrent_kda` (RecurrentSpec). The op is
+# part of the case class key, so records and timings of the two never mix.
+AnySpec = KDASpec | RecurrentSpec
 
 _scoped: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("kda_backends", default=None)
 
@@ -95,7 +100,7 @@ class Consideration:
 class Decision:
     """The outcome of dispatch for one call: what was asked, what each backend said, what was chosen."""
 
-    spec: KDASpec
+    spec: AnySpec
     requested: tuple[str, ...] | None  # None means auto over every registered backend
     considered: list[Consideration]
     chosen: Backend | None
@@ -127,7 +132,7 @@ _verify_locks: dict[tuple[str, str, str], threading.Lock] = {}
 _verify_locks_guard = threading.Lock()
 
 
-def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
+def verification_verdict(backend: Backend, spec: AnySpec, mode: str) -> Verdict:
     """Has `backend` passed verification for this call's case class on this device?"""
     global _warned_off
     key = spec.case_class.key
@@ -149,7 +154,7 @@ def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
             record = store.get(backend, spec.device, key)
             if record is None:
                 logger.info("kda: verifying backend %r for %s on %s (first use)", backend.name, key, spec.device)
-                result = verify_class(backend, spec.case_class, spec.device, quick=True, like=spec)
+                result = _verify_lazily(backend, spec)
                 record = result.to_record(source="lazy", quick=True)
                 store.put(backend, spec.device, [record])
     judged = record.assessment()  # under the tolerances in force, from the errors the record holds
@@ -162,14 +167,29 @@ def verification_verdict(backend: Backend, spec: KDASpec, mode: str) -> Verdict:
     return Verdict.no(f"failed verification of {key}: {judged.reason}")
 
 
-def _consider(backend: Backend, spec: KDASpec, mode: str) -> Consideration:
+def _verify_lazily(backend: Backend, spec: AnySpec) -> Any:
+    """Quick verification of the call's case class, for its op."""
+    if isinstance(spec, RecurrentSpec):
+        from kda.verify.recurrent import verify_recurrent_class
+
+        return verify_recurrent_class(backend, spec.case_class, spec.device, quick=True, like=spec)
+    return verify_class(backend, spec.case_class, spec.device, quick=True, like=spec)
+
+
+def _supports(backend: Backend, spec: AnySpec) -> Verdict:
+    if isinstance(spec, RecurrentSpec):
+        return backend.supports_recurrent(spec)
+    return backend.supports(spec)
+
+
+def _consider(backend: Backend, spec: AnySpec, mode: str) -> Consideration:
     seen = Consideration(backend.name)
     checks = seen.checks
     checks["available"] = registry.availability(backend)
     if not checks["available"]:
         return seen
     try:
-        supports = backend.supports(spec)
+        supports = _supports(backend, spec)
         if not isinstance(supports, Verdict):
             supports = Verdict.no(f"supports() returned {type(supports).__name__}, not a Verdict")
     except KeyboardInterrupt:
@@ -186,7 +206,7 @@ def _consider(backend: Backend, spec: KDASpec, mode: str) -> Consideration:
     return seen
 
 
-def decide(spec: KDASpec, request: Request = "auto") -> Decision:
+def decide(spec: AnySpec, request: Request = "auto") -> Decision:
     """Walk the candidates for `spec` and pick one (no exception when none fits: see `select`)."""
     names = _requested(request)
     mode = config.verify_mode()
@@ -217,7 +237,7 @@ _logged: set[tuple[str, str, str]] = set()
 _CACHE_LIMIT = 4096
 
 
-def _cache_key(spec: KDASpec, request: Request) -> tuple:
+def _cache_key(spec: AnySpec, request: Request) -> tuple:
     names = _requested(request)
     store = default_store()
     return (
@@ -232,7 +252,7 @@ def _cache_key(spec: KDASpec, request: Request) -> tuple:
     )
 
 
-def select(spec: KDASpec, request: Request = "auto") -> Backend:
+def select(spec: AnySpec, request: Request = "auto") -> Backend:
     """The backend that will run `spec`; raises `BackendSelectionError` (with every reason) when none can."""
     key = _cache_key(spec, request)
     decision = _cache.get(key)

@@ -33,6 +33,7 @@ import torch
 
 from kda import store as disk
 from kda._version import __version__
+from kda.recurrent.spec import RecurrentSpec
 from kda.spec import KDASpec, head_dim_bucket
 
 MAX_DISTANCE = 3.0
@@ -54,10 +55,18 @@ class ShapePoint:
     tokens: int
     heads: int
     mean_len: float
+    op: str = "chunk_kda"  # or "fused_recurrent_kda": timings of one op never rank the other's backends
+    pool: str = "none"  # the decode op's state pool kind and dtype, e.g. "slots:bfloat16"
 
     @classmethod
-    def of(cls, spec: KDASpec) -> ShapePoint:
+    def of(cls, spec: KDASpec | RecurrentSpec) -> ShapePoint:
         tokens = spec.B * spec.T
+        extra = {}
+        if isinstance(spec, RecurrentSpec):
+            extra = {
+                "op": spec.op,
+                "pool": f"{spec.pool_kind}:{spec.initial_state.dtype if spec.initial_state else '-'}",
+            }
         return cls(
             training=spec.requires_grad,
             gate=spec.gate_mode.value,
@@ -68,11 +77,12 @@ class ShapePoint:
             tokens=tokens,
             heads=spec.HV,
             mean_len=tokens / max(1, spec.num_seqs),
+            **extra,
         )
 
     def distance(self, other: ShapePoint) -> float:
         """How far apart two shapes are for ranking purposes; inf when they cannot be compared."""
-        if (self.training, self.dtype) != (other.training, other.dtype):
+        if (self.training, self.dtype, self.op, self.pool) != (other.training, other.dtype, other.op, other.pool):
             return math.inf
         if (head_dim_bucket(self.K), head_dim_bucket(self.V)) != (head_dim_bucket(other.K), head_dim_bucket(other.V)):
             return math.inf
@@ -276,7 +286,7 @@ def record(device: torch.device | str, shape: str, point: ShapePoint, timings: d
     return path
 
 
-def rank(spec: KDASpec, usable: list[tuple[str, str, int]]) -> tuple[list[str], Ranking | None]:
+def rank(spec: KDASpec | RecurrentSpec, usable: list[tuple[str, str, int]]) -> tuple[list[str], Ranking | None]:
     """Order usable backends ``(name, version, priority)`` for an auto call. Priority gives the places; the
     backends measured at the nearest tuned shape swap among their own places, fastest first, and an
     unmeasured backend keeps its place: a measurement compares only what it measured, so a backend timed

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kda.recurrent.spec import RecurrentSpec
 from kda.spec import KDASpec
 
 
@@ -121,6 +122,34 @@ class KDAGradients:
 
 
 @dataclass
+class RecurrentInputs:
+    """The tensors of one `fused_recurrent_kda` call (the decode op), as the caller passed them.
+
+    A backend never modifies them, with the documented exceptions: ``initial_state`` (the pool) is written
+    at the slots the call names when ``spec.inplace_final_state``, and ``out`` receives ``o``.
+    """
+
+    q: torch.Tensor  # [B, T, H, K]
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, HV, V]
+    g: torch.Tensor  # [B, T, HV, K]
+    beta: torch.Tensor  # [B, T, HV]
+    A_log: torch.Tensor | None = None  # HV values, any shape; fp32/bf16/fp16
+    dt_bias: torch.Tensor | None = None  # [HV*K] or [HV, K]
+    initial_state: torch.Tensor | None = None  # [N, HV, K, V] fp32, or a pool [num_slots, HV, K, V] (or .., V, K)
+    cu_seqlens: torch.Tensor | None = None  # [N+1]
+    ssm_state_indices: torch.Tensor | None = None  # [N] or [N, T_max]; negative: a padding row / no write
+    num_accepted_tokens: torch.Tensor | None = None  # [N], with [N, T_max] indices
+    out: torch.Tensor | None = None  # [B, T, HV, V] in q's dtype: o is written here
+
+
+@dataclass
+class RecurrentResult:
+    o: torch.Tensor  # [B, T, HV, V] in q's dtype (the `out` tensor when one was given)
+    final_state: torch.Tensor | None  # the pool with inplace_final_state, a new fp32 state, or None
+
+
+@dataclass
 class BackendInfo:
     """Static facts shown by `kda.explain` and the verifier."""
 
@@ -174,6 +203,17 @@ class Backend(abc.ABC):
     ) -> KDAGradients:
         """Every gradient, given ``do = dL/do`` and ``dfinal_state = dL/dS_T`` (None when unused)."""
         raise NotImplementedError(f"backend {self.name!r} is forward-only")
+
+    # ------------------------------------------------------------------ the decode op (fused_recurrent_kda)
+    def supports_recurrent(self, spec: RecurrentSpec) -> Verdict:
+        """Does this backend implement this decode call? By default no: a backend written before the op
+        existed keeps working for `chunk_kda` and is simply not offered the decode op."""
+        return Verdict.no("does not implement the decode op (fused_recurrent_kda)")
+
+    def recurrent_forward(self, inputs: RecurrentInputs, spec: RecurrentSpec) -> RecurrentResult:
+        """Compute the decode op: ``o`` (into ``inputs.out`` when given) and the state as the spec asks
+        (docs/design.md, "The decode op"). Only called where `supports_recurrent` said yes."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement the decode op")
 
     def fingerprint_extras(self) -> dict[str, str]:
         """Anything beyond the standard fingerprint that can change this backend's numbers."""

@@ -29,10 +29,12 @@ from rich.table import Table
 
 from kda import cliargs, registry
 from kda._version import __version__
+from kda.recurrent.spec import RecurrentCaseClass, is_recurrent_key
 from kda.spec import CaseClass
 from kda.verify.cases import full_grid
 from kda.verify.check import ClassResult, verify_class
 from kda.verify.records import default_store, fingerprint, fingerprint_id
+from kda.verify.recurrent import RecurrentClassResult, recurrent_grid, verify_recurrent_class
 from kda.workloads import DEFAULT_SHAPES, MODES, case_class_keys
 
 PROG = "python -m kda.verify"
@@ -65,8 +67,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="with --jobs: where the workers' logs and partial results go (default: a temp dir)",
     )
+    parser.add_argument(
+        "--with-recurrent",
+        action="store_true",
+        help="also verify the decode op's (fused_recurrent_kda) case classes (keys recurrent/...)",
+    )
     parser.add_argument("--list-cases", action="store_true", help="print the grid's case-class keys and exit")
     return parser
+
+
+def _class_of(key: str) -> Any:
+    """A case class of either op from its key (decode classes start with ``recurrent/``)."""
+    return RecurrentCaseClass.from_key(key) if is_recurrent_key(key) else CaseClass.from_key(key)
 
 
 def _cell(entry: dict[str, Any]) -> str:
@@ -77,7 +89,7 @@ def _cell(entry: dict[str, Any]) -> str:
     return f"[green]pass {shown}[/green]" if entry["status"] == "pass" else f"[bold red]FAIL {shown}[/bold red]"
 
 
-def _entry(name: str, r: ClassResult) -> dict[str, Any]:
+def _entry(name: str, r: ClassResult | RecurrentClassResult) -> dict[str, Any]:
     return {
         "backend": name,
         "case_class": r.case_class.key,
@@ -113,13 +125,16 @@ def main(argv: list[str] | None = None) -> int:
             out.print(cc.key)
         return 0
     try:
-        classes = [CaseClass.from_key(key) for key in args.case] if args.case else full_grid()
+        classes: list[Any] = [_class_of(key) for key in args.case] if args.case else full_grid()
     except ValueError as error:
         err.print(f"[red]{error}[/red]")
         return 2
     if args.with_bench_classes:
         have = {cc.key for cc in classes}
         classes += [CaseClass.from_key(k) for k in case_class_keys(DEFAULT_SHAPES, list(MODES)) if k not in have]
+    if args.with_recurrent:
+        have = {cc.key for cc in classes}
+        classes += [cc for cc in recurrent_grid() if cc.key not in have]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     known = {b.name: b for b in registry.registered_backends()}
@@ -150,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                 for cc in classes:
                     progress.update(task, description=f"{backend.name} {cc.key}")
                     class_started = time.perf_counter()
-                    result = verify_class(backend, cc, device, quick=args.quick)
+                    result = (
+                        verify_recurrent_class(backend, cc, device, quick=args.quick)
+                        if isinstance(cc, RecurrentCaseClass)
+                        else verify_class(backend, cc, device, quick=args.quick)
+                    )
                     entries.append(_entry(backend.name, result))
                     if not err.is_terminal:  # no live bar in a log: one line per class, with its seconds
                         err.print(

@@ -98,6 +98,10 @@ def _number(value: Any) -> float | None:
 
 def assess(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_cuda: bool) -> Assessment:
     """Judge the cases one record holds (each as `kda.verify.check.CaseResult.as_json` wrote it)."""
+    if case_class_key.startswith("recurrent/"):  # the decode op has its own policy
+        from kda.verify.recurrent_policy import assess_recurrent
+
+        return assess_recurrent(case_class_key, cases)
     try:
         case_class = CaseClass.from_key(case_class_key)
     except (ValueError, TypeError):

@@ -39,9 +39,19 @@ from typing import Any
 
 import torch
 
-from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
+from kda.backends.base import (
+    Backend,
+    ForwardResult,
+    KDAGradients,
+    KDAInputs,
+    KDAOutputs,
+    RecurrentInputs,
+    RecurrentResult,
+    Verdict,
+)
 from kda.backends.fla.pinning import pinned_autotune
 from kda.backends.fla.route import route_state, triton_path_only
+from kda.recurrent.spec import RecurrentSpec
 from kda.reference import LOG_DECAY_FLOOR
 from kda.spec import KDASpec
 
@@ -133,6 +143,22 @@ class FLABackend(Backend):
         if spec.device.type != "cuda":
             return Verdict.no(f"runs on CUDA only; the call is on {spec.device}")
         return Verdict.yes("FLA implements the whole contract on CUDA")
+
+    def supports_recurrent(self, spec: RecurrentSpec) -> Verdict:
+        """FLA's `fused_recurrent_kda_fwd` without a state pool (`recurrent` says why not with one)."""
+        from kda.backends.fla.recurrent import fla_fused_recurrent_fwd, unsupported_reasons
+
+        broken = [] if spec.device.type == "cuda" else [f"runs on CUDA only; the call is on {spec.device}"]
+        try:
+            fla_fused_recurrent_fwd()
+        except Exception as error:
+            broken.append(f"FLA's fused_recurrent_kda_fwd is not usable ({type(error).__name__}: {error})")
+        return Verdict.unless(broken + unsupported_reasons(spec))
+
+    def recurrent_forward(self, inputs: RecurrentInputs, spec: RecurrentSpec) -> RecurrentResult:
+        from kda.backends.fla.recurrent import fla_recurrent
+
+        return fla_recurrent(inputs, spec)
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
         with triton_path_only():

@@ -16,9 +16,19 @@ from typing import Any
 
 import torch
 
-from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
+from kda.backends.base import (
+    Backend,
+    ForwardResult,
+    KDAGradients,
+    KDAInputs,
+    KDAOutputs,
+    RecurrentInputs,
+    RecurrentResult,
+    Verdict,
+)
 from kda.backends.torch.chunked import chunked_delta_rule
 from kda.errors import KDAInputError
+from kda.recurrent.spec import RecurrentSpec
 from kda.reference import beta_transform, l2norm, log_decay
 from kda.spec import KDASpec, cu_seqlens_violation
 
@@ -128,6 +138,14 @@ class TorchBackend(Backend):
                 out.final_state.copy_(state)
                 state = out.final_state
         return ForwardResult(o, state)
+
+    def supports_recurrent(self, spec: RecurrentSpec) -> Verdict:
+        return Verdict.yes("the decode op as a token loop in fp32 on any device, pools and padding included")
+
+    def recurrent_forward(self, inputs: RecurrentInputs, spec: RecurrentSpec) -> RecurrentResult:
+        from kda.backends.torch.recurrent import torch_recurrent
+
+        return torch_recurrent(inputs, spec)
 
     def backward(
         self, inputs: KDAInputs, spec: KDASpec, saved: Any, do: torch.Tensor, dfinal_state: torch.Tensor | None

@@ -32,7 +32,17 @@ from __future__ import annotations
 
 import torch
 
-from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
+from kda.backends.base import (
+    Backend,
+    ForwardResult,
+    KDAGradients,
+    KDAInputs,
+    KDAOutputs,
+    RecurrentInputs,
+    RecurrentResult,
+    Verdict,
+)
+from kda.recurrent.spec import RecurrentSpec
 from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
@@ -78,6 +88,23 @@ class TritonBackend(Backend):
         elif not (spec.device.type == "cpu" and _interpreting()):
             broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
         return Verdict.unless(broken)
+
+    def supports_recurrent(self, spec: RecurrentSpec) -> Verdict:
+        """The decode op: `recurrent.recurrent_forward` (one launch, no host sync), via `recurrent_adapter`."""
+        from kda.backends.triton.recurrent_adapter import unsupported_reasons
+
+        broken = []
+        if spec.device.type == "cuda":
+            if torch.cuda.get_device_capability(spec.device) < MIN_CAPABILITY:
+                broken.append("needs compute capability >= 8.0")
+        elif not (spec.device.type == "cpu" and _interpreting()):
+            broken.append(f"runs on CUDA, or on the CPU with TRITON_INTERPRET=1; the call is on {spec.device}")
+        return Verdict.unless(broken + unsupported_reasons(spec))
+
+    def recurrent_forward(self, inputs: RecurrentInputs, spec: RecurrentSpec) -> RecurrentResult:
+        from kda.backends.triton.recurrent_adapter import triton_recurrent
+
+        return triton_recurrent(inputs, spec)
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
         from kda.backends.triton.forward import triton_forward

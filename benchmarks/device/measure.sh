@@ -5,8 +5,10 @@
 #
 # Targets (each writes $OUT/<target>/ and the machine's versions to $OUT/env.txt):
 #   verify       python -m kda.verify --all --with-bench-classes over VERIFY_JOBS processes -> verify.json
-#                (VERIFY_BACKENDS narrows it; at most VERIFY_S seconds of the deadline when set); the
-#                workers' part-N.json and logs come back as verify/workers.tgz, so a cut run keeps its classes
+#                (VERIFY_BACKENDS narrows it to those backends, VERIFY_CASES_FILE to the case-class keys in
+#                that file; VERIFY_NAME names the output folder, default verify; at most VERIFY_S seconds of
+#                the deadline when set); the workers' part-N.json and logs come back as <name>/workers.tgz,
+#                so a cut run keeps its classes
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
@@ -64,14 +66,18 @@ for target in "$@"; do
     TUNING=$!
     ;;
   verify)
-    mkdir -p "$OUT/verify"
+    name=${VERIFY_NAME:-verify}
+    mkdir -p "$OUT/$name"
     limit=$(left 20); [ -n "${VERIFY_S:-}" ] && [ "$VERIFY_S" -lt "$limit" ] && limit=$VERIFY_S
     which="--all"; [ -n "${VERIFY_BACKENDS:-}" ] && which=$(printf -- '--backend %s ' $VERIFY_BACKENDS)
+    cases="--with-bench-classes"  # a case file names its classes, bench ones included
+    [ -n "${VERIFY_CASES_FILE:-}" ] && cases=$(printf -- '--case %s ' $(cat "$VERIFY_CASES_FILE"))
+    rm -rf "/tmp/$name-workers"
     # shellcheck disable=SC2086
-    timeout "$limit" python3 -m kda.verify $which --with-bench-classes --jobs "${VERIFY_JOBS:-12}" \
-      --work-dir /tmp/verify-workers --json "$OUT/verify/verify.json" > "$OUT/verify/table.txt" 2> "$OUT/verify/log.txt"
-    echo "verify: exit $?"; tar czf "$OUT/verify/workers.tgz" -C /tmp verify-workers  # one file: at most 8 come back
-    tail -n 3 "$OUT/verify/table.txt"; grep -E "FAIL|fail " "$OUT/verify/table.txt" | head -20
+    timeout "$limit" python3 -m kda.verify $which $cases --jobs "${VERIFY_JOBS:-12}" \
+      --work-dir "/tmp/$name-workers" --json "$OUT/$name/verify.json" > "$OUT/$name/table.txt" 2> "$OUT/$name/log.txt"
+    echo "$name: exit $?"; tar czf "$OUT/$name/workers.tgz" -C /tmp "$name-workers"  # one file: at most 8 come back
+    tail -n 3 "$OUT/$name/table.txt"; grep -E "FAIL|fail " "$OUT/$name/table.txt" | head -20
     ;;
   bench)
     # shellcheck disable=SC2046

@@ -197,3 +197,47 @@ def test_generate_greedy_with_cache_matches_the_models_torch_path(seed, monkeypa
     tol = tolerance("o", "float32")
     for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
         assert relative_error(a, b.double()) <= tol, f"step {step}"
+
+
+@needs_fused_recurrent
+def test_bf16_generate_each_call_matches_the_models_torch_function(seed, monkeypatch):
+    """The model in bf16 (q, k, v and beta bf16, g fp32, the cache's state fp32): every kda call of a
+    greedy `generate` is checked against the model's own PyTorch function run in fp32 on the same
+    arguments, at the bf16 policy. (Whole-model logits in bf16 are compared in the forward test; here
+    the decode path's dtype mix is what is checked, call by call.)"""
+    model = tiny_model(torch.bfloat16)
+    ids = prompt_ids(2, PROMPT)
+    errors: list[tuple[str, str, float]] = []
+    dtypes: set[tuple[str, ...]] = set()
+
+    def checked(op, fn, reference):
+        def call(query, key, value, **kwargs):
+            o, state = fn(query, key, value, **kwargs)
+            args = [t.float() for t in (query, key, value)]
+            upcast = {k: v.float() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+            o_ref, state_ref = reference(*args, **upcast)
+            dtypes.add((op, *(str(t.dtype) for t in (query, kwargs["g"], kwargs["beta"]))))
+            assert o.dtype == query.dtype and state.dtype == torch.float32
+            errors.append((op, "o", relative_error(o, o_ref.double())))
+            errors.append((op, "final_state", relative_error(state, state_ref.double())))
+            return o, state
+
+        return call
+
+    monkeypatch.setattr(modeling, "chunk_kimi_delta_attention", checked("chunk", kda.chunk_kda, TORCH_CHUNK))
+    monkeypatch.setattr(
+        modeling,
+        "recurrent_kimi_delta_attention",
+        checked("fused_recurrent", kda.fused_recurrent_kda, TORCH_RECURRENT),
+    )
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=True)
+
+    assert out.shape == (2, PROMPT + 4)
+    assert dtypes == {
+        ("chunk", "torch.bfloat16", "torch.float32", "torch.bfloat16"),
+        ("fused_recurrent", "torch.bfloat16", "torch.float32", "torch.bfloat16"),
+    }
+    assert len(errors) == 2 * 2 * 4  # two KDA layers, o and state, one prefill and three decode steps
+    for op, tensor, error in errors:
+        assert error <= tolerance(tensor, "bfloat16"), f"{op} {tensor}: {error:.3g}"

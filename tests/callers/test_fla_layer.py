@@ -269,6 +269,7 @@ def test_prefill_then_decode_with_cache_matches_flas_torch_reference(seed, layer
 
 
 def xfail_bf16_gate_parameters():
+    """bf16 A_log / dt_bias: kda's chunk_kda rejects them today; guard to remove when it accepts them."""
     return pytest.mark.xfail(
         strict=True,
         raises=kda.KDAInputError,

@@ -275,7 +275,7 @@ class KDASpec(BaseModel):
             lb = self.lower_bound
             if self.safe_gate and not (SAFE_LOWER_BOUND_MIN <= lb < 0):
                 rule("lower_bound", "the safe gate requires -5 <= lower_bound < 0", lb)
-            elif not self.use_gate_in_kernel:
+            elif not self.use_gate_in_kernel and not self.safe_gate:  # safe_gate's own rule says it then
                 rule(
                     "lower_bound",
                     "bounds the in-kernel gate only: pass use_gate_in_kernel=True, or leave it None when g is "

@@ -213,7 +213,6 @@ def expected(call: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     g = log_decay(
         g,
         use_gate_in_kernel=call["use_gate_in_kernel"],
-        safe_gate_on=call["lower_bound"] is not None,
         A_log=None if A_log is None else A_log.to(f64).reshape(-1),
         dt_bias=None if dt_bias is None else dt_bias.to(f64),
         lower_bound=call["lower_bound"],

@@ -27,7 +27,7 @@ the backend met the policy on cases that could have caught it:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,21 +105,21 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def assess(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_cuda: bool) -> Assessment:
-    """Judge the cases one record holds (each as `kda.verify.check.CaseResult.as_json` wrote it)."""
-    if case_class_key.startswith("recurrent/"):  # the decode op has its own policy
-        from kda.verify.recurrent_policy import assess_recurrent
-
-        return assess_recurrent(case_class_key, cases)
-    try:
-        case_class = CaseClass.from_key(case_class_key)
-    except (ValueError, TypeError):
-        return Assessment.fail(f"unknown case class {case_class_key!r}")
+def cases_that_ran(cases: Sequence[Any]) -> list[Mapping[str, Any]] | Assessment:
+    """The cases a record holds that the backend ran, or the failed assessment when none did."""
     ran = [case for case in cases if isinstance(case, Mapping) and not case.get("unsupported")]
     if not ran:
         reasons = [c.get("reason") for c in cases if isinstance(c, Mapping) and c.get("reason")]
         return Assessment.fail("no case ran" + (f" ({reasons[0]})" if reasons else ""))
-    needed = required_tensors(case_class)
+    return ran
+
+
+def judge_errors(
+    ran: Sequence[Mapping[str, Any]], needed: set[str], limit_of: Callable[[str], float | None]
+) -> tuple[float, list[str]] | Assessment:
+    """Each case's measured errors against ``limit_of(tensor)`` (None: a tensor the policy does not know):
+    the worst error / tolerance and every broken requirement, or the failed assessment of a record that
+    holds no errors at all. Shared by both ops' policies."""
     worst, problems = 0.0, []
     for case in ran:
         errors = case.get("errors")
@@ -131,19 +131,42 @@ def assess(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_cuda: 
             problems.append(f"no measured error for {', '.join(missing)}")
         for tensor, value in errors.items():
             error = _number(value)
-            if tensor not in LOW_PRECISION_TOLERANCE or error is None or math.isnan(error):
+            limit = limit_of(tensor)
+            if limit is None or error is None or math.isnan(error):
                 problems.append(f"unreadable error for {tensor!r}: {value!r}")
                 continue
-            limit = tolerance(tensor, case_class.dtype)
-            ratio = error / limit
-            worst = max(worst, ratio)
-            if not ratio <= 1.0:
+            worst = max(worst, error / limit)
+            if not error <= limit:
                 problems.append(f"{tensor} rel. error {error:.2e} > tol {limit:.1e}")
         extra = case.get("problems")
         if not isinstance(extra, list):
             problems.append("a case does not say whether it met problems")
         else:
             problems += [str(p) for p in extra]
+    return worst, problems
+
+
+def assess(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_cuda: bool) -> Assessment:
+    """Judge the cases one record holds (each as `kda.verify.check.CaseResult.as_json` wrote it)."""
+    if case_class_key.startswith("recurrent/"):  # the decode op has its own policy
+        from kda.verify.recurrent_policy import assess_recurrent
+
+        return assess_recurrent(case_class_key, cases)
+    try:
+        case_class = CaseClass.from_key(case_class_key)
+    except (ValueError, TypeError):
+        return Assessment.fail(f"unknown case class {case_class_key!r}")
+    ran = cases_that_ran(cases)
+    if isinstance(ran, Assessment):
+        return ran
+
+    def limit_of(tensor: str) -> float | None:
+        return tolerance(tensor, case_class.dtype) if tensor in LOW_PRECISION_TOLERANCE else None
+
+    judged = judge_errors(ran, required_tensors(case_class), limit_of)
+    if isinstance(judged, Assessment):
+        return judged
+    worst, problems = judged
     lengths = [tuple(c.get("seq_lens") or ()) for c in ran]
     if not any(_is_lengths(s) and spans_enough_chunks(s, case_class.chunk_size) for s in lengths):
         problems.append(f"no case spans {MIN_CHUNKS_SPANNED} chunks of {case_class.chunk_size} with a ragged tail")

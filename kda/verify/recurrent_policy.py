@@ -24,13 +24,12 @@ that mishandles padding would otherwise pass unseen.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kda import config
 from kda.recurrent.spec import RecurrentCaseClass
-from kda.verify.policy import Assessment, _number, tolerance
+from kda.verify.policy import Assessment, _number, cases_that_ran, judge_errors, tolerance
 
 POOL_ROUNDING_TOLERANCE: dict[str, float] = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 0.0}
 
@@ -54,34 +53,17 @@ def assess_recurrent(case_class_key: str, cases: Sequence[Mapping[str, Any]]) ->
         case_class = RecurrentCaseClass.from_key(case_class_key)
     except (ValueError, TypeError):
         return Assessment.fail(f"unknown case class {case_class_key!r}")
-    ran = [case for case in cases if isinstance(case, Mapping) and not case.get("unsupported")]
-    if not ran:
-        reasons = [c.get("reason") for c in cases if isinstance(c, Mapping) and c.get("reason")]
-        return Assessment.fail("no case ran" + (f" ({reasons[0]})" if reasons else ""))
-    needed = required_tensors(case_class)
-    worst, problems = 0.0, []
-    for case in ran:
-        errors = case.get("errors")
-        if not isinstance(errors, Mapping):
-            return Assessment.fail("a case holds no measured errors")
-        missing = sorted(needed - set(errors))
-        if missing:
-            worst = math.inf
-            problems.append(f"no measured error for {', '.join(missing)}")
-        for tensor, value in errors.items():
-            error = _number(value)
-            if tensor not in ("o", "final_state") or error is None or math.isnan(error):
-                problems.append(f"unreadable error for {tensor!r}: {value!r}")
-                continue
-            limit = recurrent_tolerance(tensor, case_class)
-            worst = max(worst, error / limit)
-            if not error <= limit:
-                problems.append(f"{tensor} rel. error {error:.2e} > tol {limit:.1e}")
-        extra = case.get("problems")
-        if not isinstance(extra, list):
-            problems.append("a case does not say whether it met problems")
-        else:
-            problems += [str(p) for p in extra]
+    ran = cases_that_ran(cases)
+    if isinstance(ran, Assessment):
+        return ran
+
+    def limit_of(tensor: str) -> float | None:
+        return recurrent_tolerance(tensor, case_class) if tensor in ("o", "final_state") else None
+
+    judged = judge_errors(ran, required_tensors(case_class), limit_of)
+    if isinstance(judged, Assessment):
+        return judged
+    worst, problems = judged
     if case_class.pool != "none" and not any((_number(c.get("padding_rows")) or 0) > 0 for c in ran):
         problems.append("no case of this pool class had a padding row")
     if problems:

@@ -37,7 +37,7 @@ from kda.options import (
     options_of,
     tensors_of,
 )
-from kda.tensor_info import FLOAT_DTYPES, INDEX_DTYPES, TensorInfo, cu_seqlens_violation
+from kda.tensor_info import FLOAT_DTYPES, INDEX_DTYPES, CallShapes, TensorInfo, cu_seqlens_violation
 from kda.tensor_info import fmt_shape as _fmt_shape
 
 __all__ = [  # the case-class and tensor names are re-exported: `kda.spec` is where callers look for them
@@ -63,7 +63,7 @@ SAFE_LOWER_BOUND_MIN = -5.0
 _SPEC_MEMO_LIMIT = 1024
 
 
-class KDASpec(BaseModel):
+class KDASpec(CallShapes, BaseModel):
     """A validated, immutable description of one `chunk_kda` call.
 
     Build it from the call's tensors with `KDASpec.from_call(...)` (what `kda.chunk_kda` does), or
@@ -426,50 +426,7 @@ class KDASpec(BaseModel):
         """Everything that can change which backend serves the call, as plain values (cheap to hash):
         the spec without the host values of `cu_seqlens`, which vary batch to batch but change no
         backend's answer. Computed once per spec."""
-        parts = []
-        for name in type(self).model_fields:
-            if name in ("cu_seqlens_values", "cu_seqlens_values_device"):
-                continue
-            value = getattr(self, name)
-            parts.append((value.shape, value.dtype, value.device) if isinstance(value, TensorInfo) else value)
-        return tuple(parts)
-
-    @property
-    def B(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def T(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def H(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def K(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def HV(self) -> int:
-        return self.v.shape[2]
-
-    @property
-    def V(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def num_seqs(self) -> int:
-        """N: the number of sequences (B, or len(cu_seqlens) - 1 for variable length)."""
-        return self.cu_seqlens.shape[0] - 1 if self.cu_seqlens is not None else self.B
-
-    @property
-    def is_varlen(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @property
-    def is_gva(self) -> bool:
-        return self.HV > self.H
+        return tuple(self._routing_parts(("cu_seqlens_values", "cu_seqlens_values_device")))
 
     @property
     def gate_mode(self) -> GateMode:

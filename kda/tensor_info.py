@@ -7,6 +7,7 @@ spec holds these descriptions, never tensors, so that it is small, immutable and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -50,3 +51,62 @@ def cu_seqlens_violation(values: Sequence[int], total_tokens: int) -> str | None
     if values[-1] != total_tokens:
         return f"must end at T = {total_tokens}; got {values[-1]}"
     return None
+
+
+class CallShapes:
+    """The sizes of a KDA call (either op), read from its q, v and cu_seqlens descriptions: mixed into
+    both ops' specs. q is ``[B, T, H, K]``, v ``[B, T, HV, V]``, cu_seqlens ``[N+1]`` or None."""
+
+    if TYPE_CHECKING:
+        q: TensorInfo
+        v: TensorInfo
+        cu_seqlens: TensorInfo | None
+        model_fields: dict[str, Any]
+
+    def _routing_parts(self, host_values: tuple[str, ...]) -> list[Any]:
+        """The spec's fields as plain values (tensors as shape, dtype, device), less `host_values`: the
+        values read on the host, which vary call to call but change no backend's answer."""
+        parts: list[Any] = []
+        for name in type(self).model_fields:
+            if name in host_values:
+                continue
+            value = getattr(self, name)
+            parts.append((value.shape, value.dtype, value.device) if isinstance(value, TensorInfo) else value)
+        return parts
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def H(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def K(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def HV(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def V(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def num_seqs(self) -> int:
+        """N: the number of sequences (B, or len(cu_seqlens) - 1 for variable length)."""
+        return self.cu_seqlens.shape[0] - 1 if self.cu_seqlens is not None else self.B
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def is_gva(self) -> bool:
+        return self.HV > self.H

@@ -36,6 +36,7 @@ from kda.spec import (
     cu_seqlens_violation,
     head_dim_bucket,
 )
+from kda.tensor_info import CallShapes
 
 OP = "fused_recurrent_kda"
 KEY_PREFIX = "recurrent"
@@ -162,7 +163,7 @@ def _host_ints(t: torch.Tensor | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in t.reshape(-1).tolist())
 
 
-class RecurrentSpec(BaseModel):
+class RecurrentSpec(CallShapes, BaseModel):
     """A validated, immutable description of one `fused_recurrent_kda` call. Build it with `from_call`."""
 
     model_config = ConfigDict(frozen=True)
@@ -553,49 +554,7 @@ class RecurrentSpec(BaseModel):
     def routing_key(self) -> tuple:
         """Everything that can change which backend serves the call, as plain values (host index values
         vary call to call and change no backend's answer, so they are left out)."""
-        parts: list[Any] = [OP]
-        for name in type(self).model_fields:
-            if name in ("cu_seqlens_values", "indices_values", "accepted_values"):
-                continue
-            value = getattr(self, name)
-            parts.append((value.shape, value.dtype, value.device) if isinstance(value, TensorInfo) else value)
-        return tuple(parts)
-
-    @property
-    def B(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def T(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def H(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def K(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def HV(self) -> int:
-        return self.v.shape[2]
-
-    @property
-    def V(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def num_seqs(self) -> int:
-        return self.cu_seqlens.shape[0] - 1 if self.cu_seqlens is not None else self.B
-
-    @property
-    def is_varlen(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @property
-    def is_gva(self) -> bool:
-        return self.HV > self.H
+        return (OP, *self._routing_parts(("cu_seqlens_values", "indices_values", "accepted_values")))
 
     @property
     def pool_kind(self) -> PoolKind:

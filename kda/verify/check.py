@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextvars
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,10 @@ from kda.spec import CaseClass, KDASpec
 from kda.verify.cases import VerificationCase, cases_for, make_inputs
 from kda.verify.policy import FP32_TOLERANCE, LONG_T, LOW_PRECISION_TOLERANCE, Assessment, assess, tolerance
 from kda.verify.records import Record, Source
+
+if TYPE_CHECKING:
+    from kda.recurrent.spec import RecurrentCaseClass
+    from kda.verify.recurrent import RecurrentCaseResult
 
 __all__ = [
     "FP32_TOLERANCE",
@@ -308,11 +313,12 @@ def _intermediate_problems(per_chunk: Any, spec: KDASpec, inputs: KDAInputs) -> 
 
 @dataclass
 class ClassResult:
-    """Every case of one class on one backend, judged as its record will be (`kda.verify.policy.assess`)."""
+    """Every case of one class on one backend, judged as its record will be (`kda.verify.policy.assess`,
+    which hands a decode class to its own policy): a `chunk_kda` class, or the decode op's."""
 
     backend: str
-    case_class: CaseClass
-    cases: list[CaseResult]
+    case_class: CaseClass | RecurrentCaseClass
+    cases: Sequence[CaseResult | RecurrentCaseResult]
     device_type: str = "cpu"
 
     @property

@@ -31,10 +31,8 @@ import torch.nn.functional as F
 from kda.backends.base import Backend, RecurrentInputs
 from kda.recurrent.reference import fused_recurrent_reference
 from kda.recurrent.spec import RecurrentCaseClass, RecurrentGate, RecurrentSpec
-from kda.verify.check import _same_bits, _verifying, relative_error
-from kda.verify.policy import Assessment
-from kda.verify.records import Record, Source
-from kda.verify.recurrent_policy import assess_recurrent, recurrent_tolerance
+from kda.verify.check import ClassResult, _same_bits, _verifying, relative_error
+from kda.verify.recurrent_policy import recurrent_tolerance
 
 Regime = Literal["realistic", "extreme", "near_zero_bound"]
 
@@ -352,44 +350,8 @@ def _padding_tokens(kwargs: dict[str, Any], case: RecurrentCase) -> torch.Tensor
     return mask
 
 
-@dataclass
-class RecurrentClassResult:
-    """Every case of one decode class on one backend, judged as its record will be."""
-
-    backend: str
-    case_class: RecurrentCaseClass
-    cases: list[RecurrentCaseResult]
-    device_type: str = "cpu"
-
-    @property
-    def unsupported(self) -> bool:
-        return all(c.unsupported for c in self.cases)
-
-    def assessment(self) -> Assessment:
-        return assess_recurrent(self.case_class.key, [c.as_json() for c in self.cases])
-
-    @property
-    def passed(self) -> bool:
-        return self.assessment().passed
-
-    @property
-    def worst_ratio(self) -> float:
-        return max((c.worst_ratio for c in self.cases if not c.unsupported), default=0.0)
-
-    @property
-    def reason(self) -> str | None:
-        if self.unsupported:
-            return "unsupported: " + (self.cases[0].reason or "") if self.cases else "no cases"
-        return self.assessment().reason
-
-    def to_record(self, source: Source, quick: bool) -> Record:
-        return Record(
-            case_class=self.case_class.key,
-            source=source,
-            quick=quick,
-            device_type=self.device_type,
-            cases=[c.as_json() for c in self.cases],
-        )
+# A decode class's results: the same holder as chunk_kda's (`assess` judges either by its key).
+RecurrentClassResult = ClassResult
 
 
 def verify_recurrent_class(

@@ -109,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RESULTS_JSON",
         help="combine the rows of several results.json files (same GPU and versions) into --out",
     )
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="--mode decode: also time every row as CUDA-graph replays, as a serving engine runs its decode step",
+    )
     parser.add_argument("--list-shapes", action="store_true", help="print the default shapes and exit")
     # Internal: a worker of --jobs runs its share and streams rows to stdout as JSON lines.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad is not None:
             return cliargs.usage_error(PROG, bad)
         return _merge(args.merge, parts, args.out, out, err)  # type: ignore[arg-type]
+    if args.graph and "decode" not in args.mode:
+        return cliargs.usage_error(PROG, "--graph times the decode op's rows: it needs --mode decode")
     if "decode" in args.mode:  # the decode op: its own shapes, rows and floor (kda.bench.decode)
         if len(set(args.mode)) > 1:
             return cliargs.usage_error(PROG, "--mode decode runs on its own (its shapes are decode shapes)")

@@ -14,6 +14,10 @@ Rows: every kda backend (`kda.fused_recurrent_kda(..., backend=name)`, spec chec
 ``auto``, and ``baseline:fla``: FLA's ``fused_recurrent_kda_fwd`` called directly with the same pool,
 indices and ``inplace_final_state=True``, no kda code in the timed region.
 
+With ``--graph`` (CUDA), every row is also timed as a serving engine runs its decode step: captured once
+in a CUDA graph, the replay timed (``graph_ms``): the GPU's time without the host's per-call work
+(Python, argument checks, dispatch, the kernel launch), which at one sequence is most of an eager call.
+
 Each row is reported as a fraction of the memory floor: the bytes one step must move, over the device's
 copy bandwidth measured in the same run (``dst.copy_(src)`` of a large tensor, 2 bytes moved per byte
 copied). Bytes: the state read once and written once per kept state (once per sequence, T times with
@@ -147,6 +151,9 @@ class DecodeRow:
     floor_bytes: int | None = None
     chose: str | None = None
     round_ms: list[float] = field(default_factory=list)
+    graph_ms: float | None = None  # median of graph replays (--graph)
+    graph_pct_floor: float | None = None
+    graph_round_ms: list[float] = field(default_factory=list)
 
 
 def _call_for(name: str, kwargs: dict[str, Any]) -> tuple[Callable[[], Any] | None, str | None, str | None]:
@@ -172,9 +179,11 @@ def run_decode(
     seed: int = 0,
     copy_bytes: int = 1 << 30,
     tune: bool = False,
+    graph: bool = False,
     timer: Callable[..., float] = timing.median_ms,
 ) -> dict[str, Any]:
-    """Time every (shape, backend) and the copy bandwidth; returns the results payload."""
+    """Time every (shape, backend) and the copy bandwidth, eager and (`graph`) as CUDA-graph replays;
+    returns the results payload."""
     bandwidth = copy_bandwidth(device, copy_bytes, warmup_ms, rep_ms, timer)
     rows: list[DecodeRow] = []
     for name in shapes:
@@ -203,10 +212,15 @@ def run_decode(
                     row.round_ms.append(timer(calls[row.backend], device, warmup_ms=warmup_ms, rep_ms=rep_ms))
                 except Exception as error:
                     row.status, row.reason = "error", f"{type(error).__name__}: {str(error)[:300]}"
+        if graph:
+            _time_graphs(timed, calls, device, rounds, warmup_ms, rep_ms, timer)
         for row in timed:
             if row.status == "ok" and row.round_ms:
                 row.median_ms = statistics.median(row.round_ms)
                 row.pct_floor = 100.0 * floor_ms / row.median_ms if row.median_ms > 0 else None
+            if row.status == "ok" and row.graph_round_ms:
+                row.graph_ms = statistics.median(row.graph_round_ms)
+                row.graph_pct_floor = 100.0 * floor_ms / row.graph_ms if row.graph_ms > 0 else None
         if tune:
             measured = {
                 r.backend: timings.Measurement(r.median_ms, str(kda.get_backend(r.backend).version))
@@ -228,16 +242,55 @@ def run_decode(
     }
 
 
+def _time_graphs(
+    rows: list[DecodeRow],
+    calls: dict[str, Callable[[], Any]],
+    device: torch.device,
+    rounds: int,
+    warmup_ms: float,
+    rep_ms: float,
+    timer: Callable[..., float],
+) -> None:
+    """Each row's call captured once in a CUDA graph (after its eager timing: kda's calls are verified by
+    then), then the replays timed in rotated rounds like the eager calls. A row whose call cannot be
+    captured keeps its eager figures and says why in `reason`."""
+    replays: dict[str, Callable[[], Any]] = {}
+    for row in rows:
+        if row.status != "ok":
+            continue
+        try:
+            replays[row.backend] = timing.capture_graph(calls[row.backend], device)
+        except Exception as error:
+            row.reason = f"not capturable: {type(error).__name__}: {str(error)[:200]}"
+    captured = [row for row in rows if row.backend in replays]
+    for round_index in range(max(1, rounds)):
+        shift = round_index % max(1, len(captured))
+        for row in captured[shift:] + captured[:shift]:
+            row.graph_round_ms.append(timer(replays[row.backend], device, warmup_ms=warmup_ms, rep_ms=rep_ms))
+
+
 def table(data: dict[str, Any]) -> Table:
     gbps = data["copy_bandwidth_bytes_per_s"] / 1e9
     out = Table(title=f"decode step vs the memory floor (copy bandwidth {gbps:.0f} GB/s, measured in this run)")
-    for column in ("shape", "backend", "ms", "floor ms", "% of floor", "note"):
+    graphs = any(row.get("graph_ms") is not None for row in data["rows"])  # columns only for --graph runs
+    for column in ("shape", "backend", "ms", "floor ms", "% of floor", *(("graph ms", "graph %") * graphs), "note"):
         out.add_column(column)
+
+    def figure(value: float | None, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
     for row in data["rows"]:
-        ms = "-" if row["median_ms"] is None else f"{row['median_ms']:.4g}"
-        pct = "-" if row["pct_floor"] is None else f"{row['pct_floor']:.0f}%"
         note = row["reason"] or (f"chose {row['chose']}" if row["chose"] else "")
-        out.add_row(row["shape"], row["backend"], ms, f"{row['floor_ms']:.4g}", pct, (note or "")[:80])
+        graph_cells = (figure(row.get("graph_ms"), ".4g"), figure(row.get("graph_pct_floor"), ".0f") + "%")
+        out.add_row(
+            row["shape"],
+            row["backend"],
+            figure(row["median_ms"], ".4g"),
+            f"{row['floor_ms']:.4g}",
+            figure(row["pct_floor"], ".0f") + "%",
+            *(graph_cells if graphs else ()),
+            (note or "")[:80],
+        )
     return out
 
 
@@ -266,6 +319,9 @@ def main_decode(args: Any, out: Console, err: Console) -> int:
         err.print(f"[red]unknown backend(s) {bad} for --mode decode; known: {', '.join(sorted(known))}[/red]")
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.graph and device.type != "cuda":
+        err.print("[red]--graph needs a CUDA device[/red]")
+        return 2
     data = run_decode(
         shapes,
         args.backend or default_backends(),
@@ -276,6 +332,7 @@ def main_decode(args: Any, out: Console, err: Console) -> int:
         seed=args.seed,
         copy_bytes=(1 << 30) if device.type == "cuda" else (1 << 24),
         tune=args.tune,
+        graph=args.graph,
     )
     out_dir: Path = args.out or results.default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,9 @@
 - Median: on CUDA, `triton.testing.do_bench(fn, warmup, rep, return_mode="median")`: warm-up runs are
   excluded, and the L2 cache is flushed before every timed run (CUDA events around each). Without CUDA
   (the tests, a CPU user), a wall-clock median over the same warm-up/repeat budget.
+- CUDA-graph replay (`capture_graph`): the call captured once in a CUDA graph, then its replay timed as
+  above. What a serving engine that captures its decode step pays: the GPU's time, without the host's
+  per-call Python and launch work, which at a small batch is most of an eager call.
 - Peak memory: the most bytes allocated at once during one call, above what was allocated before it
   (inputs excluded, outputs and workspaces included), from the CUDA caching allocator's statistics.
 - Cold start: the wall time of the first call in a new Python process (`kda.bench.cold`), with the
@@ -44,6 +47,24 @@ def median_ms(fn: Callable[[], Any], device: torch.device, *, warmup_ms: float =
         fn()
         samples.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(samples)
+
+
+def capture_graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], None]:
+    """`fn` captured in a CUDA graph; returns the replay (CUDA only). `fn` is warmed up on a side stream
+    first, as capture requires, and must be capturable (a kda call: verified before capture)."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize(device)
+    return graph.replay
 
 
 def peak_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:

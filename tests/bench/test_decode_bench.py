@@ -82,3 +82,40 @@ def test_the_cli_runs_decode_tiny_on_the_cpu(tmp_path, capsys):
     assert cli.main(["--mode", "decode", "--mode", "fwd"]) == 2
     assert cli.main(["--mode", "decode", "--shape", "B1_T8192_H96_D128"]) == 2
     assert kda.get_backend("torch")  # the registry is untouched
+
+
+def test_graph_rows_time_the_captured_replay(monkeypatch):
+    """--graph: each row's call is captured once, its replay timed every round; a row that cannot be captured
+    keeps its eager figures and says why."""
+    captured = []
+
+    def fake_capture(fn, device):
+        captured.append(fn)
+        if len(captured) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda: "replay"
+
+    timed = []
+
+    def fake_timer(fn, device, **_):
+        timed.append(fn)
+        return 0.5 if getattr(fn, "__name__", "") == "<lambda>" and fn() == "replay" else 2.0
+
+    monkeypatch.setattr("kda.bench.timing.capture_graph", fake_capture)
+    data = run_decode(
+        ["N2_T1_HV2_D16_fp32"], ["torch", "auto"], torch.device("cpu"), rounds=2, copy_bytes=1 << 16,
+        timer=fake_timer, graph=True,
+    )  # fmt: skip
+    first, second = data["rows"]
+    assert first["median_ms"] == 2.0 and first["graph_ms"] == 0.5 and first["graph_round_ms"] == [0.5, 0.5]
+    assert first["graph_pct_floor"] == pytest.approx(4 * first["pct_floor"])
+    assert second["graph_ms"] is None and "not capturable" in second["reason"] and second["median_ms"] == 2.0
+    assert len(captured) == 2 and len(timed) == 1 + 2 * 2 + 2  # copy, eager rows x rounds, one graph x rounds
+
+
+def test_graph_needs_decode_and_cuda(capsys):
+    assert cli.main(["--graph", "--mode", "fwd"]) == 2
+    assert "needs --mode decode" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli.main(["--mode", "decode", "--graph", "--device", "cpu", "--shape", "N2_T1_HV2_D16_fp32"]) == 2
+        assert "--graph needs a CUDA device" in capsys.readouterr().err

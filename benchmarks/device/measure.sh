@@ -14,6 +14,10 @@
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
 #   decode       the decode op (`--mode decode`) at DECODE_SHAPES (default: its 12 shapes), FLA's
 #                fused_recurrent_kda_fwd beside kda's backends and auto, against the copy bandwidth, with --tune
+#   decode-tune  benchmarks/decode_sweep.py: the decode kernel's launch candidates timed per state dtype, the
+#                winners verified over the decode classes and benchmarked (eager and CUDA-graph replays, FLA
+#                beside them), and an eager call's host time at N = 1 -> sweep.json, verify.json, decode.json,
+#                host.txt (the winners then go into configs.py's _DECODE_TABLE by hand)
 #   graphs       the GPU tests of CUDA-graph capture and replay (chunk_kda and the decode step) and of
 #                torch.compile: pytest -m gpu over tests/test_compile.py and tests/recurrent
 #   sweep        benchmarks/triton_stages.py: the forward's stages and launch variants at SWEEP_SHAPE, then
@@ -97,7 +101,12 @@ for target in "$@"; do
   decode)
     # shellcheck disable=SC2046
     bench decode 20 --tune --mode decode --backend baseline:fla --backend triton --backend fla --backend torch \
-      --backend auto $(shape_args ${DECODE_SHAPES:-})
+      --backend auto --graph $(shape_args ${DECODE_SHAPES:-})
+    ;;
+  decode-tune)
+    mkdir -p "$OUT/decode-tune"
+    timeout "$(left 20)" python3 benchmarks/decode_sweep.py --out "$OUT/decode-tune" > "$OUT/decode-tune/log.txt" 2>&1
+    echo "decode-tune: exit $?"; grep -v -i warn "$OUT/decode-tune/log.txt" | grep -v '^{' | tail -60
     ;;
   graphs)
     mkdir -p "$OUT/graphs"
@@ -128,7 +137,7 @@ for target in "$@"; do
     tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, graphs, sweep, profile, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, tests)" >&2
     exit 2
     ;;
   esac

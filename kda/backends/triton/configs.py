@@ -169,6 +169,44 @@ _DEFAULT = {
 }
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode kernel's launch (`recurrent`): ``block_v`` value columns per program, its warps."""
+
+    block_v: int
+    num_warps: int
+
+
+# The decode kernel, per architecture and state element size (4: fp32 states, 2: a bf16/fp16 pool), at head
+# dims padded to 128 (where it was measured); elsewhere `recurrent.recurrent_config`'s rule. The evidence: H200, `benchmarks/decode_sweep.py`
+# (every candidate timed on the same inputs, kernel alone, geometric mean over N = 64 and 256 sequences of 1
+# and 4 tokens, HV = 32, K = V = 128; `bash benchmarks/device/measure.sh decode-tune`).
+_DECODE_TABLE: dict[int, dict[int, DecodeLaunch]] = {
+    9: {
+        # H200, fp32 pool: geometric mean 0.258 ms at 64 columns (4 warps), 0.280 at the rule's 32 (4 warps), 0.270
+        # at 32 (2 warps), 0.29-0.32 at 16 columns, 0.37-0.50 at 8 warps (the reductions over K cross more warps);
+        # N = 256, T = 1: 0.312 ms (82% of the copy bandwidth) against the rule's 0.344 (75%)
+        4: DecodeLaunch(block_v=64, num_warps=4),
+        # H200, bf16 pool: geometric mean 0.186 ms at 32 columns (2 warps), 0.227 at the rule's 4 warps, 0.197 at 16
+        # columns (1 warp), 0.208 at 64 (4 warps: 0.217 at N = 256, T = 1, but 0.087 at N = 64 against 0.062);
+        # N = 256, T = 1: 0.220 ms (59%) against the rule's 0.256 (51%)
+        2: DecodeLaunch(block_v=32, num_warps=2),
+    },
+}
+# Experiment-only: `benchmarks/decode_sweep.py` sets entries (state element size -> launch) to time candidates,
+# and clears them afterwards. Nothing else sets it.
+DECODE_OVERRIDE: dict[int, DecodeLaunch] = {}
+
+
+def decode_launch(capability_major: int | None, K: int, V: int, state_bytes: int) -> DecodeLaunch | None:
+    """The shipped (or, in an experiment, overridden) decode launch for this call, or None for the rule."""
+    if state_bytes in DECODE_OVERRIDE:
+        return DECODE_OVERRIDE[state_bytes]
+    if not 64 < max(K, V) <= 128:  # measured at 128 only (K = 64 at 64 columns took 252 registers for sm90)
+        return None
+    return _DECODE_TABLE.get(capability_major or 0, {}).get(state_bytes)
+
+
 def launch_config(capability_major: int | None, K: int, V: int) -> LaunchConfig:
     size = "large" if max(K, V) > 128 else "small"
     return _TABLE.get(capability_major or 0, _DEFAULT)[size]

@@ -45,9 +45,9 @@ store chain. What keeps it at the bandwidth:
   layers have passed through L2, so its loads and stores are ``evict_first``; ``q, k, g`` are re-read
   by the other value tiles of the head (and by the GVA group), so they are ``evict_last``; ``v`` and
   ``beta`` are read by one program, ``evict_first``. ``o`` keeps the default: the next kernel reads it.
-- launch configuration (`recurrent_config`): 32 value columns and about 32 fp32 state values a thread,
-  which compiles without spills to at most 128 registers and leaves several programs per SM to keep
-  loads in flight.
+- launch configuration (`recurrent_config`): a table measured per architecture and state dtype
+  (`configs.decode_launch`), else 32 value columns and about 32 fp32 state values a thread, which compiles
+  without spills to at most 128 registers and leaves several programs per SM to keep loads in flight.
 
 64-bit offsets: a pool of a few thousand slots of ``HV * K * V`` fp32 states passes 2^31 elements, so
 slot and token offsets are computed in int64.
@@ -55,12 +55,14 @@ slot and token offsets are computed in int64.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kda.backends.triton.configs import decode_launch
 from kda.backends.triton.gate import FLOOR, PREGATED, SAFE, SOFTPLUS
 from kda.backends.triton.storage import stored
 from kda.errors import KDAInputError
@@ -82,12 +84,13 @@ class RecurrentConfig:
     num_warps: int
 
 
-def recurrent_config(K: int, V: int) -> RecurrentConfig:
-    """The launch for head dims ``K`` and ``V`` (reasoned and compiled for sm90 here, not yet timed on a GPU).
+def recurrent_config(K: int, V: int, state_bytes: int = 4, capability_major: int | None = None) -> RecurrentConfig:
+    """The launch for head dims ``K`` and ``V``, states of ``state_bytes`` per element, on this architecture:
+    the measured table of `configs.decode_launch` where it has an entry, else this rule.
 
-    ``BV = 32`` (fewer when ``V`` is smaller): a whole 128-byte line of an fp32 ``[K, V]`` state row, the
-    narrowest tile whose loads are whole lines, and as many programs as a narrow tile gives, which a small
-    decode batch needs to fill the GPU. Warps: ``BK * BV / (32 * 32)``, i.e. about
+    The rule (other architectures; head dims other than 65 to 128 on sm90): ``BV = 32`` (fewer when ``V`` is smaller): a whole 128-byte line of an fp32 ``[K, V]`` state
+    row, the narrowest tile whose loads are whole lines, and as many programs as a narrow tile gives, which a
+    small decode batch needs to fill the GPU. Warps: ``BK * BV / (32 * 32)``, i.e. about
     `_STATE_VALUES_PER_THREAD` fp32 state values a thread, between 1 and 8 (K = 64: 2 warps, 128: 4, 256: 8).
     Compiled for sm90 on the CPU (Triton 3.9; bf16 inputs, 1-D and 2-D pools, both layouts): 106 to 128
     registers a thread at K = V = 64, 128 and 256, no spills, at most 1 KB of shared memory (the
@@ -96,9 +99,19 @@ def recurrent_config(K: int, V: int) -> RecurrentConfig:
     128), halving the programs an SM holds, and 8 warps at K = 128 took 228.
     """
     BK = triton.next_power_of_2(K)
+    measured = decode_launch(capability_major, K, V, state_bytes)
+    if measured is not None:
+        return RecurrentConfig(block_v=min(measured.block_v, triton.next_power_of_2(V)), num_warps=measured.num_warps)
     BV = min(triton.next_power_of_2(V), 32)
     warps = BK * BV // (32 * _STATE_VALUES_PER_THREAD)
     return RecurrentConfig(block_v=BV, num_warps=max(1, min(8, warps)))
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_major(device: torch.device) -> int | None:
+    """The compute capability's major version of a CUDA device (None elsewhere), looked up once per device:
+    the decode step is short, and its host time counts at small batches."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
 
 
 @triton.jit
@@ -354,7 +367,9 @@ def recurrent_forward(
     if N <= 0:
         return  # no sequence: nothing to read or write (with T = 0 the launch still passes the start states on)
 
-    config = recurrent_config(K, V)
+    state = initial_state if initial_state is not None else final_state
+    state_bytes = state.element_size() if state is not None else 4
+    config = recurrent_config(K, V, state_bytes, _capability_major(q.device))
     BK, BV = triton.next_power_of_2(K), config.block_v
     indices = ssm_state_indices
     mode = NO_INDICES if indices is None else (ONE_SLOT if indices.dim() == 1 else SLOT_PER_TOKEN)

@@ -489,6 +489,32 @@ def test_launch_configs_bound_registers(recurrent):
     assert recurrent.recurrent_config(256, 256) == recurrent.RecurrentConfig(block_v=32, num_warps=8)
 
 
+def test_sm90_takes_the_measured_launch_per_state_dtype(recurrent):
+    """On sm90 the launch comes from the table measured on the H200 (`configs._DECODE_TABLE`), per state element
+    size, at head dims padded to 128; elsewhere (other architectures, other head dims) from the rule."""
+    from kda.backends.triton import configs
+
+    config = recurrent.recurrent_config
+    assert config(128, 128, 4, 9) == recurrent.RecurrentConfig(block_v=64, num_warps=4)
+    assert config(128, 128, 2, 9) == recurrent.RecurrentConfig(block_v=32, num_warps=2)
+    assert config(128, 16, 4, 9).block_v == 16  # never wider than the padded V
+    assert config(64, 64, 4, 9) == config(64, 64)  # head dims it was not measured at: the rule
+    assert config(256, 256, 4, 9) == config(256, 256) == recurrent.RecurrentConfig(block_v=32, num_warps=8)
+    assert config(128, 128, 4, 8) == config(128, 128, 4, None) == recurrent.RecurrentConfig(block_v=32, num_warps=4)
+    for entry in configs._DECODE_TABLE[9].values():  # within the sweep's bound: at most 64 fp32 values a thread
+        assert 128 * entry.block_v // (32 * entry.num_warps) <= 64
+
+
+def test_an_experiment_override_applies_and_is_exact(recurrent, seed, monkeypatch):
+    """`benchmarks/decode_sweep.py` times candidates through `configs.DECODE_OVERRIDE`: it takes precedence, and
+    another launch computes the same function (here 8 value columns at 1 warp against the reference)."""
+    from kda.backends.triton import configs
+
+    monkeypatch.setitem(configs.DECODE_OVERRIDE, 4, configs.DecodeLaunch(block_v=8, num_warps=1))
+    assert recurrent.recurrent_config(128, 128, 4, None) == recurrent.RecurrentConfig(block_v=8, num_warps=1)
+    run_and_check(recurrent, make_call(Case(K=12, V=20, lengths=(3, 0, 2), varlen=True), seed))
+
+
 def test_rejects_what_it_cannot_serve(recurrent, seed):
     call = make_call(Case(lengths=(2,)), seed)
     with pytest.raises(KDAInputError, match="num_accepted_tokens"):
@@ -514,7 +540,7 @@ from kda.backends.triton.recurrent import ONE_SLOT, SLOT_PER_TOKEN, recurrent_co
 found = {}
 for K, state, mode, v_first in [(64, "*fp32", ONE_SLOT, False), (128, "*bf16", SLOT_PER_TOKEN, True),
                                 (256, "*fp32", ONE_SLOT, True), (256, "*bf16", SLOT_PER_TOKEN, False)]:
-    config = recurrent_config(K, K)
+    config = recurrent_config(K, K, 4 if state == "*fp32" else 2, 9)  # sm90's table where it has an entry
     pointers = ["q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "h0", "ht", "cu_seqlens", "indices", "num_accepted"]
     types = ["*bf16"] * 6 + ["*fp32", "*fp32", state, state] + ["*i32"] * 3
     signature = dict(zip(pointers, types))

@@ -6,8 +6,10 @@
 A snapshot is ``benchmarks/results/<gpu>/<kda version>/`` (see ``benchmarks/snapshot.py``); the newest
 version of each GPU is shown. Per mode, one table: a row per shape, FLA's median and, for every other
 backend, its median and its speed relative to FLA timed in the same process (``FLA ms / backend ms``:
-above 1 is faster than FLA). Every figure in the section comes from the snapshot's ``results.json`` and
-``verify.json``; nothing in it is typed by hand.
+above 1 is faster than FLA). The decode step (``decode.json``, `python -m kda.bench --mode decode`): a row per
+shape, eager and as CUDA-graph replays, each with its share of the copy bandwidth measured in the same
+run. Then every ``verify*.json`` of the snapshot. Every figure in the section comes from those files;
+nothing in it is typed by hand.
 """
 
 from __future__ import annotations
@@ -123,6 +125,49 @@ def auto_gap(rows: list[dict[str, Any]]) -> tuple[float, str] | None:
     return worst
 
 
+def _decode_cell(row: dict[str, Any] | None, fla: dict[str, Any] | None, graph: bool) -> str:
+    """``ms (FLA ms / ms, share of the copy bandwidth)`` of one decode row, eager or as graph replays."""
+    if row is None:
+        return ""
+    if row["status"] != "ok":
+        return "n/a" if "supports" in (row.get("reason") or "") else row["status"]
+    ms, pct = (row.get("graph_ms"), row.get("graph_pct_floor")) if graph else (row["median_ms"], row["pct_floor"])
+    if ms is None:
+        return "-"
+    fla_ms = None if fla is None else (fla.get("graph_ms") if graph else fla["median_ms"])
+    ratio = f"{fla_ms / ms:.2f}x, " if fla_ms and row is not fla else ""
+    text = f"{_ms(ms)} ({ratio}{pct:.0f}%)"
+    if row["kind"] == "auto" and row.get("chose"):
+        text += f" → {row['chose']}"
+    return text
+
+
+def decode_table(data: dict[str, Any]) -> list[str]:
+    rows = data["rows"]
+    present = {r["backend"] for r in rows if r["status"] == "ok"} - {"torch"}  # the reference: in decode.json
+    backends = ["baseline:fla", *(b for b in BACKEND_ORDER if b in present)]
+    graphs = any(r.get("graph_ms") is not None for r in rows)
+    header = [f"`{b}`" for b in backends] + [f"`{b}` graph" for b in backends if graphs]
+    lines = [
+        f"**Decode step (`fused_recurrent_kda`, `decode.json`)**: ms (FLA's time over this one, share of the copy "
+        f"bandwidth, {data['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s measured in the same run); N sequences of "
+        "T tokens (T = 4: speculative decoding, a slot per token), HV = 32, K = V = 128, a state pool of that dtype "
+        "updated in place. Eager calls, and"
+        + (" (graph) the same call captured in a CUDA graph and replayed, as serving engines run it" if graphs else "")
+        + " (the torch backend's rows, the readable reference at 1 to 15 ms, are in the file):",
+        "",
+        "| shape | " + " | ".join(header) + " |",
+        "|---|" + "---|" * len(header),
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        cells = {r["backend"]: r for r in rows if r["shape"] == shape}
+        fla = cells.get("baseline:fla")
+        eager = [_decode_cell(cells.get(b), fla, False) for b in backends]
+        replay = [_decode_cell(cells.get(b), fla, True) for b in backends] if graphs else []
+        lines.append(f"| {shape} | " + " | ".join(eager + replay) + " |")
+    return lines
+
+
 def verify_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for backend in sorted({r["backend"] for r in report["results"]}):
@@ -158,10 +203,14 @@ def section(snapshot: Path) -> list[str]:
     modes = list(dict.fromkeys(r["mode"] for r in data["rows"]))
     for mode in sorted(modes, key=lambda m: list(MODE_TITLES).index(m) if m in MODE_TITLES else 99):
         lines += [*mode_table(data["rows"], mode), ""]
-    verify = snapshot / "verify.json"
-    if verify.is_file():
-        lines += [f"Verification on that machine (`{where}/verify.json`):", ""]
-        lines += [*verify_lines(json.loads(verify.read_text())), ""]
+    decode = snapshot / "decode.json"
+    if decode.is_file():
+        lines += [*decode_table(json.loads(decode.read_text())), ""]
+    for verify in sorted(snapshot.glob("verify*.json")):
+        report = json.loads(verify.read_text())
+        backends = ", ".join(f"{n} v{f['backend_version']}" for n, f in sorted(report.get("fingerprints", {}).items()))
+        lines += [f"Verification on that machine (`{where}/{verify.name}`; {backends}):", ""]
+        lines += [*verify_lines(report), ""]
     return lines
 
 

@@ -103,3 +103,39 @@ def test_a_snapshot_refuses_runs_of_other_versions(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="other versions"):
         snapshot.main(["--out", str(tmp_path / "out"), "--bench", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+
+
+def _decode_row(shape: str, backend: str, ms: float, graph_ms: float | None, floor_ms: float, **extra) -> dict:
+    kind = "baseline" if backend.startswith("baseline:") else "auto" if backend == "auto" else "kda"
+    return {
+        "shape": shape, "backend": backend, "kind": kind, "status": "ok", "reason": None, "median_ms": ms,
+        "floor_ms": floor_ms, "pct_floor": 100 * floor_ms / ms, "floor_bytes": 1, "chose": None, "round_ms": [ms],
+        "graph_ms": graph_ms, "graph_pct_floor": None if graph_ms is None else 100 * floor_ms / graph_ms,
+        "graph_round_ms": [], **extra,
+    }  # fmt: skip
+
+
+def test_the_decode_table_and_every_verify_file_come_from_the_snapshot(tmp_path):
+    """decode.json: eager and graph figures with FLA's same-mode ratio and the share of the copy bandwidth; the
+    reference backend's rows stay in the file; every verify*.json gets its lines, with the backend versions."""
+    shutil.copytree(ROOT / "benchmarks" / "results" / "nvidia-h200" / "0.1.0", tmp_path / "gpu" / "0.1.0")
+    snap = tmp_path / "gpu" / "0.1.0"
+    decode = {
+        "copy_bandwidth_bytes_per_s": 4.0e12,
+        "rows": [
+            _decode_row("N8_T1_HV2_D16_fp32", "baseline:fla", 0.4, 0.2, 0.1),
+            _decode_row("N8_T1_HV2_D16_fp32", "triton", 0.8, 0.1, 0.1),
+            _decode_row("N8_T1_HV2_D16_fp32", "torch", 9.0, 8.0, 0.1),
+            _decode_row("N8_T1_HV2_D16_fp32", "auto", 0.8, 0.1, 0.1, chose="triton"),
+            {**_decode_row("N8_T1_HV2_D16_fp32", "fla", 1, None, 0.1), "status": "skipped", "reason": "fla: supports: no"},
+        ],
+    }  # fmt: skip
+    (snap / "decode.json").write_text(json.dumps(decode))
+    extra = json.loads((snap / "verify-decode.json").read_text())
+    (snap / "verify-extra.json").write_text(json.dumps(extra))
+    block = readme_results.render(tmp_path)
+    assert "4000 GB/s measured in the same run" in block
+    assert "| N8_T1_HV2_D16_fp32 | 0.400 (25%) | 0.800 (0.50x, 12%) | 0.800 (0.50x, 12%) → triton |" in block
+    assert "0.200 (50%) | 0.100 (2.00x, 100%) | 0.100 (2.00x, 100%) → triton |" in block
+    assert "9.00" not in block and "`torch` graph" not in block  # the reference's rows stay in decode.json
+    assert "/verify-extra.json`; triton v22" in block and "/verify-decode.json`; triton v22" in block

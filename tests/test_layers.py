@@ -1,7 +1,8 @@
 """The package's layers run one way: every import under kda/ (module-level and inside functions) is checked
 against the allowed arrows below, so that a lower layer never imports a higher one.
 
-    api (kda, kda.api, kda.report, kda.library, kda.routes)  ->  dispatch, registry, spec, ...
+    api (kda, kda.api, kda.report, kda.library, kda.routes, kda.recurrent.api, kda.recurrent.library)
+        ->  dispatch, registry, spec, ...
     dispatch  ->  verify, timings, registry, store, spec, config
     verify    ->  backends.base, reference, spec, store, config, workloads, registry  (never bench, api, dispatch)
     bench     ->  the public API (kda), timings, workloads, registry, store, spec  (never verify, dispatch)
@@ -42,7 +43,15 @@ BOTTOM = {
 
 def layer_of(module: str) -> str:
     """The layer a kda module belongs to (a module name such as ``kda.verify.check``)."""
-    if module in ("kda", "kda.api", "kda.report", "kda.library", "kda.routes", "kda.recurrent.api"):
+    if module in (
+        "kda",
+        "kda.api",
+        "kda.report",
+        "kda.library",
+        "kda.routes",
+        "kda.recurrent.api",
+        "kda.recurrent.library",
+    ):
         return "api"
     for prefix in ("kda.verify", "kda.bench", "kda.backends"):
         if module == prefix or module.startswith(prefix + "."):

@@ -122,6 +122,19 @@ def fused_recurrent_kda(
         KDAInputError: the call broke a rule of the contract (before any kernel ran).
         BackendSelectionError: no requested backend can serve the call.
     """
+    if torch.compiler.is_compiling():  # one custom op in the graph (kda.recurrent.library)
+        from kda.recurrent.library import fused_recurrent_kda_call
+
+        given = {
+            "q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "scale": scale,
+            "initial_state": initial_state, "output_final_state": output_final_state,
+            "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,
+            "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel, "allow_neg_eigval": allow_neg_eigval,
+            "lower_bound": lower_bound, "state_v_first": state_v_first, "cu_seqlens": cu_seqlens,
+            "ssm_state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens,
+            "inplace_final_state": inplace_final_state, "out": out,
+        }  # fmt: skip
+        return fused_recurrent_kda_call(given, kwargs, backend)
     if kwargs:
         state_v_first = _take_kwargs(state_v_first, kwargs)
     spec = RecurrentSpec.from_call(

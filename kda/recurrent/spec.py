@@ -227,9 +227,11 @@ class RecurrentSpec(CallShapes, BaseModel):
         num_accepted_tokens: torch.Tensor | None = None,
         inplace_final_state: bool = False,
         out: torch.Tensor | None = None,
+        read_host_values: bool = True,
     ) -> RecurrentSpec:
         """Describe a call (`fused_recurrent_kda`'s arguments). Raises `KDAInputError` on any broken rule,
-        and when the call needs gradients (the op is forward-only)."""
+        and when the call needs gradients (the op is forward-only). ``read_host_values=False`` reads no
+        index tensor's values even on the host (tracing under torch.compile: fake tensors have none)."""
         tensors = {
             "q": q,
             "k": k,
@@ -279,7 +281,7 @@ class RecurrentSpec(CallShapes, BaseModel):
         # A call shaped like an earlier valid one gets that call's spec back without re-running the rules,
         # which depend only on this key, unless an index tensor is on the host: its values are then checked
         # on every call. (A decode step is short: the checks cost about as much as a small batch's kernel.)
-        host_indices = any(
+        host_indices = not read_host_values or any(
             t is not None and t.device.type == "cpu" for t in (cu_seqlens, ssm_state_indices, num_accepted_tokens)
         )
         memo_key = None
@@ -293,11 +295,15 @@ class RecurrentSpec(CallShapes, BaseModel):
             cached = _memo.get(memo_key)
             if cached is not None:
                 return cached
+
+        def host(t: torch.Tensor | None) -> tuple[int, ...] | None:
+            return _host_ints(t) if read_host_values else None
+
         spec = cls(
             **{name: (None if t is None else TensorInfo.of(t)) for name, t in tensors.items()},
-            cu_seqlens_values=_host_ints(cu_seqlens) if cu_seqlens is not None and cu_seqlens.dim() == 1 else None,
-            indices_values=_host_ints(ssm_state_indices),
-            accepted_values=_host_ints(num_accepted_tokens),
+            cu_seqlens_values=host(cu_seqlens) if cu_seqlens is not None and cu_seqlens.dim() == 1 else None,
+            indices_values=host(ssm_state_indices),
+            accepted_values=host(num_accepted_tokens),
             scale=float(scale),
             lower_bound=None if lower_bound is None else float(lower_bound),
             **flags,

@@ -200,9 +200,9 @@ def test_a_model_calling_both_ops_forward_and_backward(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_compiled_decode_step_with_cuda_graphs_on_the_gpu(backend):
-    """A serving step compiled as serving engines compile it (inductor, `mode="reduce-overhead"`: CUDA graphs where
-    inductor allows them) on the GPU, a bf16 pool updated in place over several steps: every step's o and pool equal eager kda's
-    bit for bit, and the backend asked for is the one that ran."""
+    """A serving step compiled as serving engines compile it (inductor, `mode="reduce-overhead"`: CUDA graphs
+    where inductor allows them) on the GPU, a bf16 pool updated in place over several steps: every step's o and
+    pool equal eager kda's bit for bit, and the backend asked for is the one that ran."""
     call = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in decode_step(N=4, K=128, V=128).items()}
     call["initial_state"] = call["initial_state"].to(torch.bfloat16)
     call["q"], call["k"], call["v"] = (call[n].to(torch.bfloat16) for n in ("q", "k", "v"))

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
+from graphs import GraphRecorder
 
 import kda
 from kda import dispatch, library
@@ -142,23 +141,6 @@ def nan_poisoned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- one node
-
-
-class GraphRecorder:
-    """An AOT backend that keeps the forward and backward FX graphs it is given and runs them as they are."""
-
-    def __init__(self):
-        self.forward: list[torch.fx.GraphModule] = []
-        self.backward: list[torch.fx.GraphModule] = []
-        self.backend = aot_autograd(fw_compiler=self._keep(self.forward), bw_compiler=self._keep(self.backward))
-
-    @staticmethod
-    def _keep(into: list):
-        def compiler(gm: torch.fx.GraphModule, example_inputs):
-            into.append(gm)
-            return make_boxed_func(gm.forward)
-
-        return compiler
 
 
 def kda_nodes(gm: torch.fx.GraphModule) -> list[str]:

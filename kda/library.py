@@ -74,7 +74,7 @@ _ANNOTATIONS: dict[str, Any] = {
     "float?": Optional[float],  # noqa: UP045
     "str": str,
 }
-_SEPARATOR = "\x00"  # joins the names of a backend list and the parts of a refusal into one schema string
+SEPARATOR = "\x00"  # joins the names of a backend list and the parts of a refusal into one schema string
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def encode_arguments(parameters: Sequence[OpParameter], values: Sequence[Any]) -
         problem = parameter.fits(value)
         if problem is not None:
             if not refused:
-                refused = _SEPARATOR.join((parameter.name, problem, type(value).__name__))
+                refused = SEPARATOR.join((parameter.name, problem, type(value).__name__))
             value = parameter.default
         encoded.append(parameter.encode(value))
     return encoded, refused
@@ -204,7 +204,7 @@ def decode_arguments(parameters: Sequence[OpParameter], values: Sequence[Any]) -
 def raise_refusal(refused: str) -> None:
     """Raise the `KDAInputError` that `encode_arguments` (or a traced check) found, if any."""
     if refused:
-        argument, rule, got = refused.split(_SEPARATOR)
+        argument, rule, got = refused.split(SEPARATOR)
         raise KDAInputError(argument, rule, got)
 
 
@@ -213,13 +213,13 @@ def encode_request(request: Any) -> tuple[str, bool, str]:
     if isinstance(request, str):
         return request, False, ""
     if isinstance(request, (list, tuple)) and request and all(isinstance(n, str) for n in request):
-        return _SEPARATOR.join(request), True, ""
+        return SEPARATOR.join(request), True, ""
     rule = "must be 'auto', a backend name, or a non-empty list or tuple of names"
-    return "auto", False, _SEPARATOR.join(("backend", rule, type(request).__name__))
+    return "auto", False, SEPARATOR.join(("backend", rule, type(request).__name__))
 
 
 def decode_request(names: str, is_list: bool) -> dispatch.Request:
-    return list(names.split(_SEPARATOR)) if is_list else names
+    return list(names.split(SEPARATOR)) if is_list else names
 
 
 @contextlib.contextmanager
@@ -296,19 +296,19 @@ def chunk_kda_call(args: KDAArguments, extra: dict[str, Any], request: Any) -> t
     refused = ""
     if args.return_intermediate_states:
         rule = "is not available under torch.compile (the op returns o and final_state); call it eagerly"
-        refused = _SEPARATOR.join(("return_intermediate_states", rule, "True"))
+        refused = SEPARATOR.join(("return_intermediate_states", rule, "True"))
     if extra:
         extra = dict(extra)
         old = extra.pop("transpose_state_layout", None)
         if old is not None:
             if args.state_v_first:
                 rule = "is the deprecated name of state_v_first; pass only one"
-                refused = _SEPARATOR.join(("transpose_state_layout", rule, type(old).__name__))
+                refused = SEPARATOR.join(("transpose_state_layout", rule, type(old).__name__))
             values[_STATE_V_FIRST] = bool(old)
         head_first = extra.pop("head_first", None)
         if head_first is not None and head_first is not False and not refused:
             rule = "must be False: q, k, v are time-major [B, T, H, K]"
-            refused = _SEPARATOR.join(("head_first", rule, type(head_first).__name__))
+            refused = SEPARATOR.join(("head_first", rule, type(head_first).__name__))
         # any other keyword is ignored, as FLA ignores it (eager kda also warns once; traced code cannot)
     encoded, bad_value = encode_arguments(ARGUMENTS, values)
     names, is_list, bad_request = encode_request(request)
@@ -325,11 +325,11 @@ def chunk_kda_call(args: KDAArguments, extra: dict[str, Any], request: Any) -> t
 _STATE_V_FIRST = next(i for i, p in enumerate(ARGUMENTS) if p.name == "state_v_first")
 
 
-def _placeholder(like: torch.Tensor) -> torch.Tensor:
+def placeholder(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-def _own(result: torch.Tensor, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def owned(result: torch.Tensor, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """`result` contiguous (the layout the fake promised) and sharing no memory with an input (a custom
     op's results may not alias its arguments)."""
     result = result.contiguous()
@@ -342,10 +342,10 @@ def _own(result: torch.Tensor, inputs: Sequence[torch.Tensor | None]) -> torch.T
 def _chunk_results(spec: KDASpec, o: torch.Tensor, final_state: torch.Tensor | None, inputs: KDAInputs):
     tensors = list(inputs.differentiable().values())
     if spec.output_final_state and final_state is not None:
-        final = _own(final_state, tensors)
+        final = owned(final_state, tensors)
     else:
-        final = _placeholder(o)
-    return _own(o, tensors), final
+        final = placeholder(o)
+    return owned(o, tensors), final
 
 
 def _chunk_forward(*values: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +363,7 @@ def _chunk_forward(*values: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return _chunk_results(spec, result.o, result.final_state, inputs)
 
 
-def _concrete(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def concrete(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A stand-in for `tensor` with plain int sizes (each symbolic size at its hint), so that the contract
     can be checked while tracing with dynamic shapes; None when a size has no hint (unbacked)."""
     if tensor is None or all(isinstance(s, int) for s in tensor.shape):
@@ -384,7 +384,7 @@ def _check_while_tracing(call: _ChunkCall) -> None:
     stand_ins: dict[str, Any] = {}
     for name in options.TENSORS:
         tensor = getattr(call.args, name)
-        stand_in = _concrete(tensor)
+        stand_in = concrete(tensor)
         if tensor is not None and stand_in is None:
             return  # an unbacked size: the real op checks the call when it runs
         stand_ins[name] = stand_in
@@ -412,7 +412,7 @@ def _chunk_fake(*values: Any) -> tuple[torch.Tensor, torch.Tensor]:
     q, v = a.q, a.v
     o = v.new_empty(v.shape, dtype=q.dtype)
     if not a.output_final_state or q.dim() != 4 or v.dim() != 4:
-        return o, _placeholder(q)
+        return o, placeholder(q)
     N = a.cu_seqlens.shape[0] - 1 if a.cu_seqlens is not None and a.cu_seqlens.dim() == 1 else q.shape[0]
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]
     shape = (N, HV, V, K) if a.state_v_first else (N, HV, K, V)
@@ -434,7 +434,7 @@ def _chunk_backward(*values: Any) -> tuple[torch.Tensor, ...]:
     note(backend, "backward", spec, current_routes())
     tensors = list(inputs.differentiable().values())
     return tuple(
-        _placeholder(do) if t is None else _own(grad if grad is not None else torch.zeros_like(t), tensors)
+        placeholder(do) if t is None else owned(grad if grad is not None else torch.zeros_like(t), tensors)
         for t, grad in zip(tensors, grads.as_tuple())
     )
 
@@ -450,7 +450,7 @@ def _chunk_backward_fake(*values: Any) -> tuple[torch.Tensor, ...]:
     call = _ChunkCall.of(values)
     do = values[len(CHUNK_PARAMETERS)]
     return tuple(
-        _placeholder(do) if t is None else t.new_empty(t.shape) for t in call.inputs().differentiable().values()
+        placeholder(do) if t is None else t.new_empty(t.shape) for t in call.inputs().differentiable().values()
     )
 
 

@@ -31,16 +31,16 @@ from kda import dispatch
 from kda.backends.base import RecurrentInputs
 from kda.errors import KDAError
 from kda.library import (
-    _SEPARATOR,
+    SEPARATOR,
     OpParameter,
-    _concrete,
-    _own,
-    _placeholder,
+    concrete,
     decode_arguments,
     decode_request,
     define_op,
     encode_arguments,
     encode_request,
+    owned,
+    placeholder,
     raise_refusal,
 )
 from kda.recurrent.spec import RecurrentSpec
@@ -115,7 +115,7 @@ def fused_recurrent_kda_call(given: dict[str, Any], extra: dict[str, Any], reque
     if old is not None:
         if given["state_v_first"]:
             rule = "is the deprecated name of state_v_first; pass only one"
-            refused = _SEPARATOR.join(("transpose_state_layout", rule, type(old).__name__))
+            refused = SEPARATOR.join(("transpose_state_layout", rule, type(old).__name__))
         values[_NAMES.index("state_v_first")] = bool(old)
     if torch.is_grad_enabled():
         for name in _GRADIENT_INPUTS:
@@ -125,7 +125,7 @@ def fused_recurrent_kda_call(given: dict[str, Any], extra: dict[str, Any], reque
                     "fused_recurrent_kda is forward-only (as FLA's): call it under torch.no_grad() or "
                     "torch.inference_mode(), or use kda.chunk_kda, which trains"
                 )
-                refused = _SEPARATOR.join((name, rule, "a tensor that requires grad"))
+                refused = SEPARATOR.join((name, rule, "a tensor that requires grad"))
     encoded, bad_value = encode_arguments(ARGUMENTS, values)
     names, is_list, bad_request = encode_request(request)
     o, final_state = torch.ops.kda.fused_recurrent_kda(*encoded, names, is_list, refused or bad_value or bad_request)
@@ -146,10 +146,10 @@ def _decode_forward(*values: Any) -> tuple[torch.Tensor, torch.Tensor]:
     result = backend.recurrent_forward(inputs, spec)
     note(backend, "forward", spec, current())  # type: ignore[arg-type]
     unowned = [t for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta) if t is not None]
-    o = _placeholder(inputs.q) if inputs.out is not None else _own(result.o, unowned)
+    o = placeholder(inputs.q) if inputs.out is not None else owned(result.o, unowned)
     if spec.inplace_final_state or not spec.output_final_state or result.final_state is None:
-        return o, _placeholder(inputs.q)
-    return o, _own(result.final_state, [*unowned, inputs.initial_state])
+        return o, placeholder(inputs.q)
+    return o, owned(result.final_state, [*unowned, inputs.initial_state])
 
 
 def _check_while_tracing(call: _DecodeCall) -> None:
@@ -158,7 +158,7 @@ def _check_while_tracing(call: _DecodeCall) -> None:
     stand_ins: dict[str, Any] = {}
     for name, value in call.given.items():
         if isinstance(value, torch.Tensor):
-            stand_in = _concrete(value)
+            stand_in = concrete(value)
             if stand_in is None:
                 return  # an unbacked size: the real op checks the call when it runs
             stand_ins[name] = stand_in
@@ -183,9 +183,9 @@ def _decode_fake(*values: Any) -> tuple[torch.Tensor, torch.Tensor]:
     _check_while_tracing(call)
     g = call.given
     q, v = g["q"], g["v"]
-    o = _placeholder(q) if g["out"] is not None else v.new_empty(v.shape, dtype=q.dtype)
+    o = placeholder(q) if g["out"] is not None else v.new_empty(v.shape, dtype=q.dtype)
     if g["inplace_final_state"] or not g["output_final_state"] or q.dim() != 4 or v.dim() != 4:
-        return o, _placeholder(q)
+        return o, placeholder(q)
     cu_seqlens = g["cu_seqlens"]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None and cu_seqlens.dim() == 1 else q.shape[0]
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]

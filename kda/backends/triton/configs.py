@@ -178,9 +178,9 @@ class DecodeLaunch:
 
 
 # The decode kernel, per architecture and state element size (4: fp32 states, 2: a bf16/fp16 pool), at head
-# dims padded to 128 (where it was measured); elsewhere `recurrent.recurrent_config`'s rule. The evidence: H200, `benchmarks/decode_sweep.py`
-# (every candidate timed on the same inputs, kernel alone, geometric mean over N = 64 and 256 sequences of 1
-# and 4 tokens, HV = 32, K = V = 128; `bash benchmarks/device/measure.sh decode-tune`).
+# dims padded to 128 (where it was measured); elsewhere `recurrent.recurrent_config`'s rule. The evidence:
+# H200, `benchmarks/decode_sweep.py` (every candidate timed on the same inputs, kernel alone, geometric mean
+# over N = 64 and 256 sequences of 1 and 4 tokens, HV = 32, K = V = 128; `measure.sh decode-tune`).
 _DECODE_TABLE: dict[int, dict[int, DecodeLaunch]] = {
     9: {
         # H200, fp32 pool: geometric mean 0.258 ms at 64 columns (4 warps), 0.280 at the rule's 32 (4 warps), 0.270

@@ -122,7 +122,10 @@ def test_a_call_needing_gradients_is_refused_as_eagerly():
     call = decode_step()
     call["q"].requires_grad_(True)
     compiled = torch.compile(lambda c: kda.fused_recurrent_kda(**c), fullgraph=True, backend="eager")
-    with pytest.raises(kda.KDAInputError, match="forward-only") as error:
+    with (
+        pytest.warns(RuntimeWarning, match="forward-only"),
+        pytest.raises(kda.KDAInputError, match="forward-only") as error,
+    ):
         compiled(call)
     assert error.value.argument == "q"
 

@@ -90,8 +90,9 @@ def recurrent_config(K: int, V: int, state_bytes: int = 4, capability_major: int
 
     The rule (other architectures; head dims other than 65 to 128 on sm90): ``BV = 32`` (fewer when ``V`` is
     smaller): a whole 128-byte line of an fp32 ``[K, V]`` state row, the narrowest tile whose loads are whole
-    lines, and as many programs as a narrow tile gives, which a small decode batch needs to fill the GPU. Warps: ``BK * BV / (32 * 32)``, i.e. about
-    `_STATE_VALUES_PER_THREAD` fp32 state values a thread, between 1 and 8 (K = 64: 2 warps, 128: 4, 256: 8).
+    lines, and as many programs as a narrow tile gives, which a small decode batch needs to fill the GPU.
+    Warps: ``BK * BV / (32 * 32)``, i.e. about `_STATE_VALUES_PER_THREAD` fp32 state values a thread, between
+    1 and 8 (K = 64: 2 warps, 128: 4, 256: 8).
     Compiled for sm90 on the CPU (Triton 3.9; bf16 inputs, 1-D and 2-D pools, both layouts): 106 to 128
     registers a thread at K = V = 64, 128 and 256, no spills, at most 1 KB of shared memory (the
     reductions' scratch), so 2 to 4 programs (16 warps) an SM and 32 to 64 KB of state loads in flight

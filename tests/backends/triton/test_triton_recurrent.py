@@ -539,7 +539,8 @@ from kda.backends.triton.recurrent import ONE_SLOT, SLOT_PER_TOKEN, recurrent_co
 
 found = {}
 for K, state, mode, v_first in [(64, "*fp32", ONE_SLOT, False), (128, "*bf16", SLOT_PER_TOKEN, True),
-                                (256, "*fp32", ONE_SLOT, True), (256, "*bf16", SLOT_PER_TOKEN, False)]:
+                                (128, "*fp32", ONE_SLOT, False), (256, "*fp32", ONE_SLOT, True),
+                                (256, "*bf16", SLOT_PER_TOKEN, False)]:
     config = recurrent_config(K, K, 4 if state == "*fp32" else 2, 9)  # sm90's table where it has an entry
     pointers = ["q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "h0", "ht", "cu_seqlens", "indices", "num_accepted"]
     types = ["*bf16"] * 6 + ["*fp32", "*fp32", state, state] + ["*i32"] * 3

@@ -64,10 +64,11 @@ def _ensure_defaults() -> None:
         _loaded_defaults = True
         from kda.backends.fla import FLABackend
         from kda.backends.flashkda import FlashKDABackend
+        from kda.backends.helion import HelionBackend
         from kda.backends.torch import TorchBackend
         from kda.backends.triton import TritonBackend
 
-        for builtin in (TorchBackend(), TritonBackend(), FLABackend(), FlashKDABackend()):
+        for builtin in (TorchBackend(), TritonBackend(), HelionBackend(), FLABackend(), FlashKDABackend()):
             _add(builtin, replace=False)
         for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:

@@ -24,6 +24,9 @@
 #                the training kernels' variants (--train-sweep, one variant a process)
 #   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
 #   tests        the test suite on CUDA (its GPU-only tests run there)
+#   tune-helion  `kda.bench --tune-kernels helion` at SHAPES (fwd and train_safe) within HELION_TUNE_S seconds
+#                (default 200) -> tune-helion/tuned_sm90.json, which the targets after it in the same run use
+#                (KDA_HELION_CONFIGS); copy it over kda/backends/helion/tuned_sm90.json to ship it
 #   tune-fla     in the background, while the targets after it run: FLA alone at SHAPES in MODES, once, so
 #                that its autotuners (minutes per new shape) have tuned when a later `bench` times it; the
 #                results are kept in state.tgz, the timings thrown away. Give it first: `tune-fla verify`
@@ -89,13 +92,13 @@ for target in "$@"; do
     ;;
   bench)
     # shellcheck disable=SC2046
-    bench bench 20 --tune --backend baseline:fla --backend baseline:flashkda --backend triton --backend flashkda \
+    bench bench 20 --tune --backend baseline:fla --backend baseline:flashkda --backend triton --backend helion --backend flashkda \
       --backend fla --backend auto $(for m in ${MODES:-fwd}; do printf -- '--mode %s ' "$m"; done) \
       --cold-start "${COLD:-first}" $(shape_args $SHAPES)
     ;;
   train-bench)
     # shellcheck disable=SC2046
-    bench train-bench 20 --tune --backend baseline:fla --backend fla --backend triton --backend auto \
+    bench train-bench 20 --tune --backend baseline:fla --backend fla --backend triton --backend helion --backend auto \
       --mode train_safe --cold-start none $(shape_args $SHAPES)
     ;;
   decode)
@@ -131,13 +134,21 @@ for target in "$@"; do
     done
     tail -n 40 "$OUT/profile/kernels.txt"
     ;;
+  tune-helion)
+    mkdir -p "$OUT/tune-helion"
+    # shellcheck disable=SC2046
+    timeout "$(left 20)" python3 -m kda.bench --tune-kernels helion --tune-budget-s "${HELION_TUNE_S:-200}" \
+      --table "$OUT/tune-helion/tuned_sm90.json" $(shape_args $SHAPES) > "$OUT/tune-helion/log.txt" 2>&1
+    echo "tune-helion: exit $?"; grep -v -i warn "$OUT/tune-helion/log.txt" | tail -40
+    [ -f "$OUT/tune-helion/tuned_sm90.json" ] && export KDA_HELION_CONFIGS="$OUT/tune-helion/tuned_sm90.json"
+    ;;
   tests)
     mkdir -p "$OUT/tests"
     timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra tests > "$OUT/tests/pytest.txt" 2>&1
     tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, tune-helion, tests)" >&2
     exit 2
     ;;
   esac

@@ -38,6 +38,7 @@ from kda import cliargs, registry, store
 from kda.bench import results
 from kda.bench.runner import BASELINES, BenchConfig, Row, run
 from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape
+from kda.workloads import DENSE_SHAPES
 
 PROG = "python -m kda.bench"
 
@@ -115,6 +116,21 @@ def _parser() -> argparse.ArgumentParser:
         help="--mode decode: also time every row as CUDA-graph replays, as a serving engine runs its decode step",
     )
     parser.add_argument("--list-shapes", action="store_true", help="print the default shapes and exit")
+    parser.add_argument(
+        "--tune-kernels",
+        choices=["helion"],
+        default=None,
+        help="measure launch configurations for a backend's kernels at --shape (default: the six dense shapes) "
+        "in --mode (default: fwd and train_safe) within --tune-budget-s, and write the table to --table",
+    )
+    parser.add_argument("--tune-budget-s", type=float, default=600.0, help="--tune-kernels: time budget (s)")
+    parser.add_argument(
+        "--table",
+        type=Path,
+        default=None,
+        help="--tune-kernels: the table to write (default: the one shipped in the package for this GPU); "
+        "point KDA_HELION_CONFIGS at any other",
+    )
     # Internal: a worker of --jobs runs its share and streams rows to stdout as JSON lines.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first-shape", default=None, help=argparse.SUPPRESS)
@@ -180,6 +196,27 @@ def _read_results(option: str, path: Path) -> dict | str:
     return data if isinstance(data, dict) else f"{option} {path}: not a results.json (no JSON object)"
 
 
+def _tune_kernels(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """`--tune-kernels helion` (`kda.bench.helion_tuning`)."""
+    import torch
+
+    from kda.backends.helion import configs, forward, runtime
+
+    if not torch.cuda.is_available():
+        return cliargs.usage_error(PROG, "--tune-kernels needs a CUDA GPU")
+    problem = runtime.helion_problem()
+    if problem is not None:
+        return cliargs.usage_error(PROG, f"--tune-kernels helion: {problem}")
+    from kda.bench import helion_tuning
+
+    table = args.table or configs.shipped_table_path(forward.arch(torch.device("cuda")))
+    shapes = args.shape or DENSE_SHAPES
+    modes = args.mode or ["fwd", "train_safe"]
+    written = helion_tuning.tune(shapes, modes, args.tune_budget_s, table, lambda line: err.print(line, markup=False))
+    out.print(f"wrote {written}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     problem = _usage_problem(args)
@@ -187,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return cliargs.usage_error(PROG, problem)
     out = Console(soft_wrap=True)
     err = Console(stderr=True)
+    if args.tune_kernels:
+        return _tune_kernels(args, out, err)
     if args.list_shapes:
         for name in DEFAULT_SHAPES:
             out.print(name)

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.triton.chunks import chunk_layout
+from kda.backends.chunks import chunk_layout
 from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SIGMOID, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel

@@ -245,7 +245,7 @@ def test_availability_follows_the_interpreter_switch(monkeypatch, interpreter):
 
 
 def test_chunk_layout_covers_every_token_once():
-    from kda.backends.triton.chunks import chunk_layout
+    from kda.backends.chunks import chunk_layout
 
     layout = chunk_layout((0, 70, 70, 71, 135), 32, torch.device("cpu"))
     starts = layout.chunk_starts.tolist()

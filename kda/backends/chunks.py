@@ -2,7 +2,8 @@
 
 Every kernel works on the flattened token axis (``B*T`` tokens for a dense batch, ``T`` for varlen). A
 sequence ``n`` spans tokens ``[bounds[n], bounds[n+1])``; its chunks start every ``C`` tokens from
-``bounds[n]`` and the last one may be partial. Chunks never straddle two sequences.
+``bounds[n]`` and the last one may be partial. Chunks never straddle two sequences. Shared by the backends
+whose kernels walk chunks (triton, helion); plain torch, no kernel code.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class ChunkLayout:
     chunk_starts: torch.Tensor  # [NT] int32: first token of each chunk
     chunk_seq_ends: torch.Tensor  # [NT] int32: end (exclusive) of the chunk's sequence
     chunk_offsets: torch.Tensor  # [N] int32: index of each sequence's first chunk
+    chunk_bounds: torch.Tensor  # [N+1] int32: sequence n owns chunks [chunk_bounds[n], chunk_bounds[n+1])
     num_seqs: int
     num_chunks: int
 
@@ -43,5 +45,11 @@ def _layout(bounds: tuple[int, ...], chunk_size: int, device: str) -> ChunkLayou
         return torch.tensor(values if values else [0], dtype=torch.int32, device=device)
 
     return ChunkLayout(
-        as_tensor(bounds), as_tensor(starts), as_tensor(seq_ends), as_tensor(offsets), len(bounds) - 1, len(starts)
+        as_tensor(bounds),
+        as_tensor(starts),
+        as_tensor(seq_ends),
+        as_tensor(offsets),
+        as_tensor([*offsets, len(starts)]),
+        len(bounds) - 1,
+        len(starts),
     )

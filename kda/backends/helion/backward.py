@@ -1,0 +1,104 @@
+"""The backward pass: six launches (`state_backward`, `chunk_backward`, `score_backward`, `gate_tail`,
+`qk_tail` for q and for k), from the forward's saved chunk-major intermediates (all fp32 when training).
+
+Scratch, chunk-major fp32: ``dh [NT, HV, K, V]``, ``dv_new [NT, HV, C, V]``, ``dq``/``dk``/``dG`` per value
+head ``[NT, HV, C, K]``, ``dP_qk``/``dP_kk [NT, HV, C, C]``, ``dbeta [NT, HV, C]``. The sums over tokens
+(``ddt_bias``, ``dA_log``) are torch reductions of per-token and per-row parts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda.backends.base import KDAGradients, KDAInputs
+from kda.backends.helion import chunk_backward, forward, runtime, score_backward, state_backward, tails
+from kda.spec import KDASpec
+
+
+def helion_backward(
+    inputs: KDAInputs, spec: KDASpec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None
+) -> KDAGradients:
+    plan: forward.Plan = saved["plan"]
+    layout = plan.layout
+    device, f32 = spec.device, torch.float32
+    B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
+    tokens, NT = B * T, max(layout.num_chunks, 1)
+
+    def run(fn, *args) -> None:
+        runtime.launch(fn, plan.precision, args, plan.key)
+
+    G = saved["G"]
+    placeholder = G
+    do = do.reshape(tokens, HV, V)
+    dh = torch.empty(NT, HV, K, V, dtype=f32, device=device)
+    dv_new = torch.empty(NT, HV, C, V, dtype=f32, device=device)
+    dh0 = torch.empty(spec.state_shape, dtype=f32, device=device) if inputs.initial_state is not None else None
+    run(
+        state_backward.state_backward_kernel,
+        do, saved["q_e"], saved["w"], saved["k_g"], saved["A_qk"], G,
+        layout.chunk_starts, layout.chunk_seq_ends, layout.chunk_bounds,
+        dfinal_state if dfinal_state is not None else placeholder,
+        dh, dv_new, dh0 if dh0 is not None else placeholder,
+        C, dfinal_state is not None, dh0 is not None, spec.state_v_first,
+    )  # fmt: skip
+
+    dv = torch.empty(tokens, HV, V, dtype=inputs.v.dtype, device=device)
+    dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
+    dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
+    dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
+    dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
+    dA_rows = torch.zeros(NT, HV, C, dtype=f32, device=device)
+    if layout.num_chunks > 0:
+        dq_c, dk_c, dG_c = (torch.empty(NT, HV, C, K, dtype=f32, device=device) for _ in range(3))
+        dP_qk, dP_kk = (torch.empty(NT, HV, C, C, dtype=f32, device=device) for _ in range(2))
+        dbeta_c = torch.empty(NT, HV, C, dtype=f32, device=device)
+        q, k = saved["q"], saved["k"]
+        run(
+            chunk_backward.chunk_backward_kernel,
+            do, inputs.v.reshape(tokens, HV, V), k, G, saved["beta"], saved["T"], saved["M"], saved["h"], dh,
+            saved["v_new"], dv_new, saved["q_e"], saved["k_g"], layout.chunk_starts, layout.chunk_seq_ends,
+            dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c, spec.scale, plan.group, C,
+        )  # fmt: skip
+        run(
+            score_backward.score_backward_kernel,
+            q, k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c, plan.group, C,
+        )  # fmt: skip
+        A_log = inputs.A_log if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
+        dt_bias = inputs.dt_bias.reshape(HV, K) if inputs.dt_bias is not None else placeholder
+        run(
+            tails.gate_tail_kernel,
+            inputs.g.reshape(tokens, HV, K), inputs.beta.reshape(tokens, HV), A_log, dt_bias, dG_c, dbeta_c,
+            layout.chunk_starts, layout.chunk_seq_ends, dg32, dbeta, dA_rows,
+            float(spec.lower_bound or 0.0), 2.0 if spec.allow_neg_eigval else 1.0,
+            C, forward.GATES[spec.gate_mode], inputs.dt_bias is not None, spec.use_beta_sigmoid_in_kernel,
+        )  # fmt: skip
+        L2 = spec.use_qk_l2norm_in_kernel
+        for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
+            run(
+                tails.qk_tail_kernel,
+                x_hat, rstd if rstd is not None else placeholder, dx_c, layout.chunk_starts, layout.chunk_seq_ends,
+                dx, plan.group, C, L2,
+            )  # fmt: skip
+    else:  # every sequence empty: nothing but the state's own gradient
+        for grad in (dv, dg32, dbeta, dq, dk):
+            grad.zero_()
+
+    dA_log = ddt_bias = None
+    if inputs.A_log is not None:
+        dA_log = dA_rows.sum(dim=(0, 2)).to(inputs.A_log.dtype)
+    if inputs.dt_bias is not None:
+        ddt_bias = dg32.sum(dim=0).reshape(inputs.dt_bias.shape).to(inputs.dt_bias.dtype)
+    dinitial_state = None
+    if inputs.initial_state is not None:
+        assert dh0 is not None
+        dinitial_state = dh0.to(inputs.initial_state.dtype)
+    return KDAGradients(
+        dq=dq.view_as(inputs.q),
+        dk=dk.view_as(inputs.k),
+        dv=dv.view_as(inputs.v),
+        dg=dg32.to(inputs.g.dtype).view_as(inputs.g),
+        dbeta=dbeta.view_as(inputs.beta),
+        dA_log=dA_log,
+        ddt_bias=ddt_bias,
+        dinitial_state=dinitial_state,
+    )

@@ -1,0 +1,124 @@
+"""Backward stage 2: per chunk, the gradients of the state products and of the WY transform.
+
+With ``dh`` (of the state leaving the chunk) and ``dv_new`` from `state_backward`, ``h`` the state
+entering the chunk, ``X = beta k exp(G)`` and ``Y = beta v`` (so ``w = T X``, ``u = T Y``)::
+
+    dq_e = do h^T       dw = -dv_new h^T       dk_g = v_new dh^T                   [C, K]
+    dA_qk = do v_new^T (causal)                dT = dw X^T + dv_new Y^T            [C, C]
+    dX = T^T dw         dY = T^T dv_new        dA_kk = -T^T dT T^T (strictly lower)
+    dv = beta dY                                                   (final: v enters nowhere else)
+    dbeta = sum_v dY v + sum_c dX k exp(G) + sum_j dA_kk M         (M = A_kk / beta, kept by the forward)
+
+then, on the normalized rows and the cumulative log decay, everything but the score matrices' part::
+
+    dq  = scale exp(G) dq_e
+    dk  = beta exp(G) dX + exp(G_last - G) dk_g
+    dG  = dX X + q_e dq_e - k_g dk_g,  and on the last row also  sum_i k_g dk_g + exp(G_last) sum_v dh h
+
+(``G_last`` is the sum of every row's log decay, so its gradient reaches them all through the reverse
+cumulative sum of the tails.) The score matrices' gradients go to `score_backward` as
+``dP_qk = scale dA_qk`` and ``dP_kk = diag(beta) dA_kk``, the gradients of the unscaled sums
+``P[i, j] = sum_c a_i b_j exp(G_i - G_j)``. ``dq``, ``dk``, ``dG`` (fp32, chunk-major, per value head) are
+written here and added to there.
+
+Grid ``(NT, HV)``; ``K`` and ``V`` in config-sized blocks (``dw`` for all of ``K`` is needed for ``dT``
+before ``dA_kk``, so the ``K`` loop accumulates ``dT`` and the inverse's gradient follows it).
+"""
+
+from __future__ import annotations
+
+import helion.language as hl
+import torch
+
+
+def chunk_backward_kernel(
+    do: torch.Tensor,  # [tokens, HV, V]
+    v: torch.Tensor,  # [tokens, HV, V]
+    k: torch.Tensor,  # [tokens, H, K] (normalized when the call asks for it)
+    G: torch.Tensor,  # [NT, HV, C, K] fp32
+    beta: torch.Tensor,  # [NT, HV, C] fp32
+    T: torch.Tensor,  # [NT, HV, C, C] fp32
+    M: torch.Tensor,  # [NT, HV, C, C] fp32
+    h: torch.Tensor,  # [NT, HV, K, V]
+    dh: torch.Tensor,  # [NT, HV, K, V] fp32
+    v_new: torch.Tensor,  # [NT, HV, C, V]
+    dv_new: torch.Tensor,  # [NT, HV, C, V] fp32
+    q_e: torch.Tensor,  # [NT, HV, C, K]
+    k_g: torch.Tensor,  # [NT, HV, C, K]
+    chunk_starts: torch.Tensor,  # [NT] int32
+    chunk_seq_ends: torch.Tensor,  # [NT] int32
+    dv: torch.Tensor,  # [tokens, HV, V] out
+    dq_c: torch.Tensor,  # [NT, HV, C, K] fp32 out
+    dk_c: torch.Tensor,  # [NT, HV, C, K] fp32 out
+    dG_c: torch.Tensor,  # [NT, HV, C, K] fp32 out
+    dP_qk: torch.Tensor,  # [NT, HV, C, C] fp32 out
+    dP_kk: torch.Tensor,  # [NT, HV, C, C] fp32 out
+    dbeta_c: torch.Tensor,  # [NT, HV, C] fp32 out
+    scale: float,
+    group: int,
+    C: hl.constexpr,
+) -> None:
+    NT = G.size(0)
+    HV = G.size(1)
+    K = G.size(3)
+    V = v.size(2)
+    for tile_c, tile_hv in hl.tile([NT, HV], block_size=[1, 1]):
+        c = tile_c.begin
+        hv = tile_hv.begin
+        head = hv // group
+        idx = hl.arange(C)
+        rows = chunk_starts[c] + idx
+        valid = rows < chunk_seq_ends[c]
+        T_c = T[c, hv, :, :]
+        b = beta[c, hv, :]
+        dA = hl.zeros([C, C], dtype=torch.float32)
+        dT = hl.zeros([C, C], dtype=torch.float32)
+        db = hl.zeros([C], dtype=torch.float32)
+        for tile_v in hl.tile(V):
+            do_v = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+            v_v = hl.load(v, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+            vn = v_new[c, hv, :, tile_v].to(torch.float32)
+            dvn = dv_new[c, hv, :, tile_v]
+            dA = hl.dot(do_v, vn.transpose(0, 1), acc=dA)
+            dT = hl.dot(dvn, (b[:, None] * v_v).transpose(0, 1), acc=dT)
+            dY = hl.dot(T_c.transpose(0, 1), dvn)
+            hl.store(dv, [rows, hv, tile_v], (b[:, None] * dY).to(dv.dtype), extra_mask=valid[:, None])
+            db = db + torch.sum(dY * v_v, dim=1)
+        for tile_k in hl.tile(K):
+            dqe = hl.zeros([C, tile_k], dtype=torch.float32)
+            dw = hl.zeros([C, tile_k], dtype=torch.float32)
+            dkg = hl.zeros([C, tile_k], dtype=torch.float32)
+            dgl = hl.zeros([tile_k], dtype=torch.float32)
+            for tile_v in hl.tile(V):
+                do_v = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+                vn = v_new[c, hv, :, tile_v].to(torch.float32)
+                dvn = dv_new[c, hv, :, tile_v]
+                h_kv = h[c, hv, tile_k, tile_v].to(torch.float32)
+                dh_kv = dh[c, hv, tile_k, tile_v]
+                dqe = hl.dot(do_v, h_kv.transpose(0, 1), acc=dqe)
+                dw = hl.dot(dvn, h_kv.transpose(0, 1), acc=dw)
+                dkg = hl.dot(vn, dh_kv.transpose(0, 1), acc=dkg)
+                dgl = dgl + torch.sum(dh_kv * h_kv, dim=1)
+            dw = -dw
+            k_i = hl.load(k, [rows, head, tile_k], extra_mask=valid[:, None]).to(torch.float32)
+            G_i = G[c, hv, :, tile_k]
+            G_last = G[c, hv, C - 1, tile_k]
+            e_G = torch.exp(G_i)
+            X = b[:, None] * k_i * e_G
+            dT = hl.dot(dw, X.transpose(0, 1), acc=dT)
+            dX = hl.dot(T_c.transpose(0, 1), dw)
+            qe = q_e[c, hv, :, tile_k].to(torch.float32)
+            kg = k_g[c, hv, :, tile_k].to(torch.float32)
+            dq_c[c, hv, :, tile_k] = scale * e_G * dqe
+            dk_c[c, hv, :, tile_k] = b[:, None] * e_G * dX + torch.exp(G_last[None, :] - G_i) * dkg
+            last = torch.sum(kg * dkg, dim=0) + torch.exp(G_last) * dgl  # [BK]
+            dG = dX * X + qe * dqe - kg * dkg
+            dG_c[c, hv, :, tile_k] = dG + torch.where((idx == C - 1)[:, None], last[None, :], 0.0)
+            db = db + torch.sum(dX * k_i * e_G, dim=1)
+        dA_kk = -hl.dot(hl.dot(T_c.transpose(0, 1), dT), T_c.transpose(0, 1))
+        strict = idx[:, None] > idx[None, :]
+        dA_kk = torch.where(strict, dA_kk, 0.0)
+        db = db + torch.sum(dA_kk * M[c, hv, :, :], dim=1)
+        dP_kk[c, hv, :, :] = b[:, None] * dA_kk
+        dP_qk[c, hv, :, :] = torch.where(idx[:, None] >= idx[None, :], scale * dA, 0.0)
+        dbeta_c[c, hv, :] = db

@@ -1,0 +1,124 @@
+"""Pretuned launch configurations for the helion backend's kernels, per GPU architecture.
+
+Nothing is autotuned at call time. Each kernel's configuration comes from a table shipped in the package
+(``tuned_<arch>.json``, e.g. ``tuned_sm90.json``, measured on an H200) or from the file named by
+``KDA_HELION_CONFIGS`` (same format; `kda.bench --tune-kernels helion` writes one), keyed by what changes
+the best configuration: the head dims ``K`` and ``V``, the chunk size, whether intermediates are half or
+fp32 (inference or training/fp32 inputs). An unseen shape takes the nearest entry of the same head dims
+(a differing chunk size or storage width is allowed); a kernel with no entry at its head dims, or whose
+entry Helion rejects, runs Helion's default configuration, with one warning per kernel and architecture.
+Entries are not carried across head dims: block sizes and stages are sized for them, and on the H200 a
+class at d256 that passed with the default configurations failed with the entries tuned at 128.
+
+Table format: ``{"kernel name": [{"K": 128, "V": 128, "C": 64, "half": true, "config": {...}}, ...]}``,
+``config`` being `helion.Config`'s keyword arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TABLE_ENV = "KDA_HELION_CONFIGS"
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What a kernel's best configuration depends on."""
+
+    arch: str  # "sm90", "sm100", ...; "cpu" under the interpreter
+    K: int
+    V: int
+    C: int
+    half: bool  # intermediates stored in bf16/fp16 (inference on half inputs)
+
+    def distance(self, entry: dict[str, Any]) -> float:
+        return (
+            abs(math.log2(self.K) - math.log2(entry["K"]))
+            + abs(math.log2(self.V) - math.log2(entry["V"]))
+            + (0.5 if entry["C"] != self.C else 0.0)
+            + (0.25 if self.half != entry["half"] else 0.0)
+        )
+
+
+def shipped_table_path(arch: str) -> Path:
+    return Path(__file__).with_name(f"tuned_{arch}.json")
+
+
+@functools.lru_cache(maxsize=16)
+def _read_table(path: str, mtime: float) -> dict[str, list[dict[str, Any]]]:
+    del mtime  # part of the cache key: a rewritten file is read again
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        warnings.warn(f"kda: ignoring the helion config table {path}: {error}", stacklevel=3)
+        return {}
+    if not isinstance(data, dict):
+        warnings.warn(f"kda: ignoring the helion config table {path}: not a JSON object", stacklevel=3)
+        return {}
+    table: dict[str, list[dict[str, Any]]] = {}
+    for name, entries in data.items():
+        if isinstance(entries, list):
+            table[name] = [e for e in entries if _well_formed(e)]
+    return table
+
+
+def _well_formed(entry: object) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        return False
+    dims = [entry.get(key) for key in ("K", "V", "C")]
+    return all(isinstance(d, int) and d > 0 for d in dims) and isinstance(entry.get("half"), bool)
+
+
+def table(arch: str) -> dict[str, list[dict[str, Any]]]:
+    """The user's table (``KDA_HELION_CONFIGS``) over the shipped one, kernel by kernel."""
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for path in (shipped_table_path(arch), os.environ.get(TABLE_ENV)):
+        if path and Path(path).is_file():
+            merged.update(_read_table(str(path), Path(path).stat().st_mtime))
+    return merged
+
+
+def nearest(name: str, key: ShapeKey) -> dict[str, Any] | None:
+    """The configuration of the entry for kernel `name` nearest to `key`, or None without one."""
+    entries = [e for e in table(key.arch).get(name, []) if e["K"] == key.K and e["V"] == key.V]
+    if not entries:
+        return None
+    return min(entries, key=key.distance)["config"]
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_default(name: str, arch: str, why: str) -> None:
+    if (name, arch) in _WARNED:
+        return
+    _WARNED.add((name, arch))
+    warnings.warn(
+        f"kda: helion kernel {name} runs Helion's default configuration on {arch} ({why}); "
+        "`python -m kda.bench --tune-kernels helion` measures one",
+        stacklevel=4,
+    )
+
+
+def choose(name: str, key: ShapeKey, bound: Any) -> Any:
+    """The `helion.Config` for kernel `name` bound at `key`: the nearest table entry, else the default."""
+    import helion
+
+    config = nearest(name, key)
+    if config is not None:
+        try:
+            chosen = helion.Config(**config)
+            bound._normalize_config(chosen)  # raises on a config this specialization cannot take
+            return chosen
+        except Exception as error:
+            warn_default(name, key.arch, f"its table entry does not fit: {type(error).__name__}: {error}")
+    else:
+        warn_default(name, key.arch, f"no table entry at K={key.K}, V={key.V}")
+    return bound.config_spec.default_config()

@@ -1,0 +1,92 @@
+"""How the helion backend builds and launches its kernels.
+
+- `helion_problem`: why the installed Helion cannot run here (None when it can).
+- `interpreting`: ``HELION_INTERPRET=1`` runs every kernel as eager PyTorch on the tensors' device (CPU
+  included): Helion's reference mode, how CI checks the kernels and how a user without a GPU steps through
+  them. Helion reads the switch when a kernel object is made, so kernel objects are kept per setting.
+- `launch`: one Helion kernel object per (function, dot precision, interpreter setting); on a GPU each
+  bound specialization gets the configuration `configs.choose` picks before its first run, so nothing is
+  ever autotuned at call time.
+- `register_cpu_matmul`: the interpreter computes ``hl.dot`` of half-precision operands with an fp32 result
+  as ``aten::mm.dtype``, which has no CPU kernel in torch; this registers one (an fp32 product, then the
+  cast), once, only when a kernel is interpreted on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kda.backends.helion import configs
+
+
+def interpreting() -> bool:
+    return os.environ.get("HELION_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def helion_problem() -> str | None:
+    """Why Helion cannot run here, or None. (Helion 1.5.1 does not import on torch 2.11; 1.5.0 does.)"""
+    try:
+        import helion
+        import helion.language  # noqa: F401
+    except Exception as error:
+        return f"helion does not import ({type(error).__name__}: {error}); install helion 1.5.x for this torch"
+    return None
+
+
+def helion_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("helion")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_CPU_MATMUL: Any = None
+
+
+def register_cpu_matmul() -> None:
+    """A CPU ``aten::mm.dtype`` (see the module docstring); a no-op once done or if torch already has one."""
+    global _CPU_MATMUL
+    if _CPU_MATMUL is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+
+    def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(out_dtype)
+
+    with contextlib.suppress(RuntimeError):  # raised when torch has a CPU kernel for it already
+        library.impl("mm.dtype", mm_dtype, "CPU")
+    _CPU_MATMUL = library  # kept alive: the registration lasts as long as the Library object
+
+
+@functools.cache
+def _kernel(fn: Callable[..., Any], dot_precision: str, interpret: bool) -> Any:
+    import helion
+
+    del interpret  # part of the cache key: Helion reads HELION_INTERPRET when the kernel object is made
+    return helion.kernel(fn, static_shapes=False, dot_precision=dot_precision)
+
+
+def launch(fn: Callable[..., Any], dot_precision: str, args: tuple[Any, ...], key: configs.ShapeKey) -> None:
+    """Run the Helion kernel `fn` on `args` with the pretuned configuration for `key` (never autotuning)."""
+    kernel = _kernel(fn, dot_precision, interpreting())
+    if interpreting():
+        register_cpu_matmul()
+        kernel(*args)
+        return
+    bound = kernel.bind(args)
+    if getattr(bound, "_config", None) is None:
+        try:
+            bound.set_config(configs.choose(fn.__name__, key, bound))
+        except Exception as error:  # a table entry Helion accepted but could not compile
+            configs.warn_default(fn.__name__, key.arch, f"its table entry failed: {type(error).__name__}: {error}")
+            bound.set_config(bound.config_spec.default_config())
+    bound(*args)

@@ -1,0 +1,106 @@
+"""Stage 2: the causal score matrices of each chunk, one strip of 16 rows per program.
+
+For one chunk of value head ``hv`` (q/k head ``h = hv // group``), with ``G`` from stage 1, ``q``, ``k``
+after the optional l2norm, and ``beta`` after its activation::
+
+    M[i, j]    =        sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])             j < i  (A_kk = beta_i M)
+    A_qk[i, j] = scale  sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])             j <= i
+    q_e[i]     = scale q_i exp(G_i)                                          (every exponent <= 0)
+
+Overflow. ``G`` falls without bound inside a chunk (pre-gated and softplus gates have no floor but
+LOG_DECAY_FLOOR per token), so ``exp(G_i - G_j)`` is never split over the whole chunk. For the strip of rows
+``I = [a, a + 16)`` against the columns before it (``j < a <= i``) the anchor is the strip's first row::
+
+    exp(G_i - G_j) = exp(G_i - G_a) exp(G_a - G_j)          both factors <= 1
+
+and the strip is one matrix product over ``K``. The diagonal block (``i, j`` both in ``I``) is computed
+exactly, element by element on ``[16, 16, BK]`` tiles, with the exponent set to -inf above the diagonal
+before ``exp`` (so that nothing overflows and nothing is multiplied by 0): no anchor can bound both
+factors there when the gate has no floor. With the safe gate (``SAFE_SPAN``: ``lower_bound >= -5``, so 15
+steps inside a block fall by at most 75 and ``exp(G_a - G_j) <= e^75`` is finite in fp32) the diagonal
+block rides the same anchored product, every kept entry ``i >= j`` being <= 1 and the rest discarded
+with ``where``: one product for the whole strip. The exact path cost 70% of the forward on the H200.
+
+``M`` is stored in fp32 (stage 3 solves the inverse from it; the backward reads it for ``dbeta``); A_qk and ``q_e`` in the storage dtype.
+Each strip writes its 16 rows whole: the columns before ``a`` from the product, the diagonal block, and
+zeros after it, so the buffers need no clearing. Rows past the sequence's end read zeros and store zeros.
+
+Grid ``(NT, HV, C / 16)``; the loop over ``K`` takes ``BK`` columns at a time (a config block size).
+"""
+
+from __future__ import annotations
+
+import helion.language as hl
+import torch
+
+
+def scores_kernel(
+    q: torch.Tensor,  # [tokens, H, K] (l2-normalized when the call asks for it)
+    k: torch.Tensor,  # [tokens, H, K]
+    G: torch.Tensor,  # [NT, HV, C, K] fp32
+    chunk_starts: torch.Tensor,  # [NT] int32
+    chunk_seq_ends: torch.Tensor,  # [NT] int32
+    M: torch.Tensor,  # [NT, HV, C, C] fp32 out (strictly lower)
+    A_qk: torch.Tensor,  # [NT, HV, C, C] out, storage dtype (lower, scaled)
+    q_e: torch.Tensor,  # [NT, HV, C, K] out, storage dtype
+    scale: float,
+    group: int,  # HV // H
+    C: hl.constexpr,
+    SAFE_SPAN: hl.constexpr,  # the safe gate: the diagonal block by the anchored product
+) -> None:
+    NT = G.size(0)
+    HV = G.size(1)
+    K = G.size(3)
+    for tile_c, tile_hv, tile_i in hl.tile([NT, HV, C], block_size=[1, 1, 16]):
+        c = tile_c.begin
+        hv = tile_hv.begin
+        h = hv // group
+        start = chunk_starts[c]
+        end = chunk_seq_ends[c]
+        a = tile_i.begin  # the strip's first row: the anchor
+        rows = start + tile_i.index  # [16] tokens of the strip
+        row_ok = rows < end
+        cols = hl.arange(C)  # [C] the chunk's rows, as columns
+        col_ok = (start + cols < end) & (cols < a)  # only the columns before the strip
+        diag = a + hl.arange(16)  # [16] the diagonal block's columns
+        diag_ok = start + diag < end
+        causal = tile_i.index[:, None] >= diag[None, :]  # [16, 16] i >= j
+        off_kk = hl.zeros([tile_i, C], dtype=torch.float32)
+        off_qk = hl.zeros([tile_i, C], dtype=torch.float32)
+        blk_kk = hl.zeros([tile_i, 16], dtype=torch.float32)
+        blk_qk = hl.zeros([tile_i, 16], dtype=torch.float32)
+        if SAFE_SPAN:
+            col_ok = (start + cols < end) & (cols < a + 16)  # the columns before the strip and its own
+        for tile_k in hl.tile(K):
+            G_i = G[c, hv, tile_i, tile_k]  # [16, BK]
+            G_a = G[c, hv, a, tile_k]  # [BK]
+            q_i = hl.load(q, [rows, h, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
+            k_i = hl.load(k, [rows, h, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
+            q_e[c, hv, tile_i, tile_k] = (scale * q_i * torch.exp(G_i)).to(q_e.dtype)
+            # the strip against the columns before it (and, SAFE_SPAN, its own), through the anchor
+            G_j = hl.load(G, [c, hv, cols, tile_k])  # [C, BK]
+            k_j = hl.load(k, [start + cols, h, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
+            k_j = k_j * torch.exp(torch.where(col_ok[:, None], G_a[None, :] - G_j, float("-inf")))
+            decay_i = torch.exp(G_i - G_a[None, :])
+            off_kk = hl.dot(k_i * decay_i, k_j.transpose(0, 1), acc=off_kk)
+            off_qk = hl.dot(q_i * decay_i, k_j.transpose(0, 1), acc=off_qk)
+            if not SAFE_SPAN:  # the diagonal block, exactly
+                G_d = hl.load(G, [c, hv, diag, tile_k])  # [16, BK]
+                k_d = hl.load(k, [start + diag, h, tile_k], extra_mask=diag_ok[:, None]).to(torch.float32)
+                exponent = torch.where(causal[:, :, None], G_i[:, None, :] - G_d[None, :, :], float("-inf"))
+                kd_e = k_d[None, :, :] * torch.exp(exponent)  # [16, 16, BK]
+                blk_kk = blk_kk + torch.sum(k_i[:, None, :] * kd_e, dim=2)
+                blk_qk = blk_qk + torch.sum(q_i[:, None, :] * kd_e, dim=2)
+        if SAFE_SPAN:  # one product gave the whole strip: keep j < i (A_kk) and j <= i (A_qk)
+            hl.store(M, [c, hv, tile_i, cols], torch.where(tile_i.index[:, None] > cols[None, :], off_kk, 0.0))
+            A = torch.where(tile_i.index[:, None] >= cols[None, :], scale * off_qk, 0.0)
+            hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype))
+        else:
+            strip = cols[None, :] < a  # columns the product wrote
+            outside = (cols < a) | (cols >= a + 16)  # [C] every column but the diagonal block's
+            hl.store(M, [c, hv, tile_i, cols], torch.where(strip, off_kk, 0.0), extra_mask=outside[None, :])
+            A = torch.where(strip, scale * off_qk, 0.0)
+            hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype), extra_mask=outside[None, :])
+            strict = tile_i.index[:, None] > diag[None, :]
+            hl.store(M, [c, hv, tile_i, diag], torch.where(strict, blk_kk, 0.0))
+            hl.store(A_qk, [c, hv, tile_i, diag], torch.where(causal, scale * blk_qk, 0.0).to(A_qk.dtype))

@@ -1,0 +1,141 @@
+"""`python -m kda.bench --tune-kernels helion`: measure launch configurations for the helion backend's
+kernels on this GPU and write them as a table `kda.backends.helion.configs` reads.
+
+For each shape and mode, one call of the helion backend is recorded: every kernel launch with its
+arguments. Each kernel is then tuned on its own recorded arguments by a coordinate search from Helion's
+default configuration: one setting at a time (each block size over 32 and 64, ``num_warps`` over 4 and 8,
+``num_stages`` over 1 and 2: each candidate is a compilation of seconds), keeping the fastest (median of CUDA-event timings, warm-up excluded) before
+the next setting. A candidate that does not compile or fails is skipped. The search stops at the time
+budget and writes what it has; entries are keyed like the table (``K``, ``V``, chunk size, half storage).
+
+Kernels that write into their inputs (the state pass writes ``v_new`` over ``u``; the score backward adds
+into its gradients) are timed on the recorded buffers as they are: their values change from run to run,
+the work does not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kda
+from kda.backends.helion import configs, runtime
+from kda.bench.timing import median_ms
+from kda.workloads import MODES, BenchShape, make_inputs
+
+Launch = tuple[Callable[..., Any], str, tuple[Any, ...], configs.ShapeKey]
+
+
+def record_launches(shape: str, mode: str, device: torch.device) -> list[Launch]:
+    """Every kernel launch of one helion call (forward, and backward for a training mode), run for real."""
+    recorded: list[Launch] = []
+    real_launch = runtime.launch
+
+    def recording(fn, precision, args, key) -> None:
+        recorded.append((fn, precision, args, key))
+        real_launch(fn, precision, args, key)
+
+    bench = make_inputs(BenchShape.parse(shape), MODES[mode], device, seed=0)
+
+    def call() -> None:
+        o, *_ = kda.chunk_kda(**bench.kwargs, backend="helion")
+        if bench.do is not None:
+            o.backward(bench.do)
+        torch.cuda.synchronize(device)
+
+    call()  # first: verification of the case class (its own small launches) and compilation, not recorded
+    runtime.launch = recording  # type: ignore[assignment]
+    try:
+        call()
+    finally:
+        runtime.launch = real_launch
+    return recorded
+
+
+def _time(fn, precision: str, args: tuple[Any, ...], config: Any, device: torch.device) -> float | None:
+    import helion
+
+    try:
+        kernel = helion.kernel(fn, config=config, static_shapes=False, dot_precision=precision)
+        kernel(*args)
+        torch.cuda.synchronize(device)
+        return median_ms(lambda: kernel(*args), device, warmup_ms=10, rep_ms=60)
+    except Exception:
+        return None
+
+
+def _axes(config: dict[str, Any]) -> list[tuple[str, int | None, list[int]]]:
+    axes: list[tuple[str, int | None, list[int]]] = []
+    for slot in range(len(config.get("block_sizes", []))):
+        axes.append(("block_sizes", slot, [32, 64]))
+    axes.append(("num_warps", None, [4, 8]))
+    axes.append(("num_stages", None, [1, 2]))
+    return axes
+
+
+def tune_launch(launch: Launch, device: torch.device, deadline: float) -> tuple[dict[str, Any], float, float]:
+    """(best config, its ms, the default's ms) for one recorded launch, by coordinate search."""
+    import helion
+
+    fn, precision, args, _ = launch
+    kernel = runtime._kernel(fn, precision, False)
+    bound = kernel.bind(args)
+    best = json.loads(bound.config_spec.default_config().to_json())
+    default_ms = best_ms = _time(fn, precision, args, helion.Config(**best), device) or float("inf")
+    for name, slot, values in _axes(best):
+        for value in values:
+            if time.monotonic() > deadline:
+                return best, best_ms, default_ms
+            trial = json.loads(json.dumps(best))
+            if slot is None:
+                if trial.get(name) == value:
+                    continue
+                trial[name] = value
+            else:
+                if trial[name][slot] == value:
+                    continue
+                trial[name][slot] = value
+            ms = _time(fn, precision, args, helion.Config(**trial), device)
+            if ms is not None and ms < best_ms:
+                best, best_ms = trial, ms
+    return best, best_ms, default_ms
+
+
+def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path, log: Callable[[str], None]) -> Path:
+    """Tune every kernel at each (shape, mode) until the budget is spent; write the table to `out`."""
+    device = torch.device("cuda")
+    deadline = time.monotonic() + budget_s
+    table: dict[str, list[dict[str, Any]]] = {}
+    if out.is_file():
+        try:
+            table = json.loads(out.read_text())
+        except ValueError:
+            table = {}
+    for shape in shapes:
+        for mode in modes:
+            for launch in record_launches(shape, mode, device):
+                if time.monotonic() > deadline:
+                    break
+                fn, _, _, key = launch
+                entries = table.setdefault(fn.__name__, [])
+                entry_key = {"K": key.K, "V": key.V, "C": key.C, "half": key.half}
+                if any({k: e[k] for k in entry_key} == entry_key for e in entries):
+                    continue  # tuned already (a kernel launched twice in one call, or an earlier shape)
+                config, ms, default_ms = tune_launch(launch, device, deadline)
+                entries.append(
+                    {
+                        **entry_key,
+                        "shape": shape,
+                        "ms": round(ms, 4),
+                        "default_ms": round(default_ms, 4),
+                        "config": config,
+                    }
+                )
+                log(f"{fn.__name__:24s} {shape} {mode}: {default_ms:.3f} -> {ms:.3f} ms")
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return out

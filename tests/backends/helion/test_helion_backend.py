@@ -1,0 +1,225 @@
+"""The helion backend's kernels, run on CPU tensors in Helion's interpreter (HELION_INTERPRET=1), and
+compiled to Triton source without a GPU.
+
+Each interpreter test checks the kernels against the float64 reference through the verifier's own
+`run_case` (NaN-poisoned output buffers, inputs checked for modification, every gradient when training) on
+fresh random inputs: every gate mode with realistic and extreme gates, l2norm and beta variants, varlen with
+empty and one-token sequences, GVA, both state layouts, chunk 32 and 64, K != V, T not a multiple of the
+chunk, bf16/fp16/fp32, forward and backward. A route test proves the helion kernels are what ran. Without
+Helion these tests skip.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import kda
+from kda.spec import CaseClass, GateMode
+from kda.verify.cases import VerificationCase
+from kda.verify.check import run_case
+
+pytest.importorskip("helion", reason="Helion is not installed (extra `helion`)")
+
+from kda.backends.helion import configs, runtime
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """The helion backend on CPU tensors in Helion's interpreter (Helion reads the switch when a kernel object
+    is made; `runtime` keeps kernel objects per setting)."""
+    if torch.cuda.is_available():
+        pytest.skip("these tiny interpreter cases are for the CPU; on a GPU `kda.verify --backend helion` runs")
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    kda.registry._reset_for_tests()
+    return kda.get_backend("helion")
+
+
+def case_class(**changes) -> CaseClass:
+    base = dict(
+        gate=GateMode.SAFE,
+        qk_l2norm=True,
+        beta="sigmoid",
+        dtype="float32",
+        varlen=False,
+        gva=False,
+        initial_state=True,
+        final_state=True,
+        state_v_first=False,
+        chunk_size=32,
+        head_dim=64,
+        training=False,
+    )
+    return CaseClass(**{**base, **changes})
+
+
+def small_case(cc: CaseClass, regime: str, *, K: int = 16, V: int = 32, seed: int) -> VerificationCase:
+    C = cc.chunk_size
+    group = 2 if cc.gva else 1
+    if cc.varlen:
+        return VerificationCase(cc, regime, 1, 1, group, K, V, (2 * C + 5, 0, 1, C - 3), cc.dtype, seed=seed)
+    return VerificationCase(cc, regime, 2, 1, group, K, V, (2 * C + 7,), cc.dtype, seed=seed)
+
+
+VARIANTS = [
+    dict(),
+    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given"),
+    dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", chunk_size=64),
+    dict(varlen=True, gva=True, state_v_first=True),
+    dict(dtype="bfloat16", varlen=True, initial_state=False),
+    dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
+    dict(gate=GateMode.SIGMOID, varlen=True),
+]
+
+
+def _ids(v: dict) -> str:
+    return "-".join(f"{k}={getattr(x, 'value', x)}" for k, x in v.items()) or "safe"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+@pytest.mark.parametrize("regime", ["realistic", "extreme"])
+def test_forward_matches_the_reference(seed, interpreter, variant, regime):
+    cc = case_class(**variant)
+    result = run_case(interpreter, small_case(cc, regime, seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    assert "o" in result.errors
+
+
+TRAINING_VARIANTS = [
+    dict(),
+    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given", chunk_size=64),
+    dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True, state_v_first=True),
+    dict(dtype="bfloat16", varlen=True, initial_state=False),
+    dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
+    dict(gate=GateMode.SIGMOID, varlen=True),
+]
+
+
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=_ids)
+@pytest.mark.parametrize("regime", ["realistic", "extreme"])
+def test_backward_gives_every_gradient(seed, interpreter, variant, regime):
+    cc = case_class(**variant, training=True)
+    result = run_case(interpreter, small_case(cc, regime, seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    expected = (
+        {"dq", "dk", "dv", "dg", "dbeta"}
+        | ({"dA_log", "ddt_bias"} if cc.gate is not GateMode.PREGATED else set())
+        | ({"dinitial_state"} if cc.initial_state else set())
+    )
+    assert expected <= set(result.errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training", [False, True])
+def test_head_dims_of_256(seed, interpreter, training):
+    cc = case_class(dtype="float16", varlen=True, gva=True, qk_l2norm=False, chunk_size=64, training=training)
+    result = run_case(interpreter, small_case(cc, "realistic", K=256, V=128, seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+
+
+def test_the_helion_kernels_are_what_ran(seed, interpreter, monkeypatch):
+    launched: list[str] = []
+    real = runtime.launch
+
+    def counting(fn, precision, args, key):
+        launched.append(fn.__name__)
+        real(fn, precision, args, key)
+
+    monkeypatch.setattr(runtime, "launch", counting)
+    B, T, H, K, V = 1, 40, 2, 16, 16
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v, g = torch.randn(B, T, H, V), torch.nn.functional.logsigmoid(torch.randn(B, T, H, K))
+    beta = torch.rand(B, T, H)
+    monkeypatch.setenv("KDA_VERIFY", "off")  # the route, not the verifier's own calls
+    o, _ = kda.chunk_kda(q, k, v, g, beta, backend="helion", chunk_size=32)
+    assert launched == ["gate_kernel", "scores_kernel", "solve_kernel", "state_kernel", "output_kernel"]
+    reference, _ = kda.chunk_kda(q, k, v, g, beta, backend="torch", chunk_size=32)
+    torch.testing.assert_close(o, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_availability_follows_the_interpreter_switch(monkeypatch):
+    backend = kda.get_backend("helion")
+    monkeypatch.setenv("HELION_INTERPRET", "0")
+    verdict = backend.available()
+    if not torch.cuda.is_available():
+        assert not verdict and "HELION_INTERPRET=1" in str(verdict)
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    assert backend.available()
+
+
+def _entry(K: int, V: int, C: int, half: bool, warps: int) -> dict:
+    return {"K": K, "V": V, "C": C, "half": half, "config": {"num_warps": warps}}
+
+
+def test_the_nearest_entry_at_the_same_head_dims(tmp_path, monkeypatch):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"k": [_entry(128, 128, 64, True, 4), _entry(128, 128, 32, False, 8)]}))
+    monkeypatch.setenv(configs.TABLE_ENV, str(table))
+    assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 64, True)) == {"num_warps": 4}
+    assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 32, True)) == {"num_warps": 8}
+    assert configs.nearest("k", configs.ShapeKey("cpu", 256, 128, 64, True)) is None  # not across head dims
+    assert configs.nearest("other", configs.ShapeKey("cpu", 128, 128, 64, True)) is None
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", json.dumps({"k": [{"K": "x"}, 5]})])
+def test_a_broken_table_is_ignored_with_a_warning_or_its_bad_entries_dropped(tmp_path, monkeypatch, text):
+    table = tmp_path / "table.json"
+    table.write_text(text)
+    monkeypatch.setenv(configs.TABLE_ENV, str(table))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 64, True)) is None
+
+
+def test_the_default_configuration_warns_once_per_kernel(monkeypatch):
+    monkeypatch.setattr(configs, "_WARNED", set())
+    with pytest.warns(UserWarning, match="default configuration"):
+        configs.warn_default("scores_kernel", "sm90", "no table entry")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configs.warn_default("scores_kernel", "sm90", "no table entry")
+
+
+def test_the_shipped_table_is_well_formed():
+    shipped = configs.shipped_table_path("sm90")
+    data = json.loads(shipped.read_text())
+    assert data and all(configs._well_formed(e) for entries in data.values() for e in entries)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_every_kernel_lowers_to_triton_without_a_gpu(monkeypatch, training):
+    """Helion's compiler (not the interpreter) turns each kernel into Triton source at a realistic shape
+    (K = V = 128, chunk 64, bf16), the configuration being Helion's default: what a GPU would compile."""
+    monkeypatch.setenv("HELION_INTERPRET", "0")
+    from kda.backends.base import KDAInputs
+    from kda.backends.helion import backward, forward
+    from kda.spec import KDASpec
+
+    lowered: dict[str, int] = {}
+
+    def lower(fn, precision, args, key):
+        bound = runtime._kernel(fn, precision, False).bind(args)
+        lowered[fn.__name__] = len(bound.to_triton_code(bound.config_spec.default_config()))
+
+    monkeypatch.setattr(runtime, "launch", lower)
+    B, T, H, D = 1, 100, 2, 128
+    bf16 = torch.bfloat16
+    q, k, v, g = (torch.randn(B, T, H, D, dtype=bf16) for _ in range(4))
+    beta = torch.randn(B, T, H, dtype=bf16)
+    A_log, dt_bias, h0 = torch.randn(H), torch.randn(H * D), torch.randn(B, H, D, D)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, safe_gate=True)
+    spec = KDASpec.from_call(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+        lower_bound=-5.0, chunk_size=64, requires_grad=training, **flags,
+    )  # fmt: skip
+    inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, h0)
+    result = forward.helion_forward(inputs, spec)
+    expected = {"normalize_kernel", "gate_kernel", "scores_kernel", "solve_kernel", "state_kernel", "output_kernel"}
+    if training:
+        backward.helion_backward(inputs, spec, result.saved, torch.randn(B, T, H, D, dtype=bf16), torch.randn_like(h0))
+        expected |= {"state_backward_kernel", "chunk_backward_kernel", "score_backward_kernel"}
+        expected |= {"gate_tail_kernel", "qk_tail_kernel"}
+    assert set(lowered) == expected and all(size > 1000 for size in lowered.values())

@@ -88,6 +88,10 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # The bench's `fla` baseline times FLA's own function directly, not through kda's dispatch.
     ("kda.bench.runner", "kda.backends.fla"): "the raw FLA baseline",
     ("kda.bench.decode", "kda.backends.fla.recurrent"): "the raw FLA baseline of the decode op",
+    # `--tune-kernels helion` times the helion backend's kernels one by one: it has to know them.
+    ("kda.bench.helion_tuning", "kda.backends.helion.configs"): "tuning the helion backend's kernels",
+    ("kda.bench.helion_tuning", "kda.backends.helion.forward"): "tuning the helion backend's kernels",
+    ("kda.bench.helion_tuning", "kda.backends.helion.runtime"): "tuning the helion backend's kernels",
 }
 
 

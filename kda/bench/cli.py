@@ -198,21 +198,15 @@ def _read_results(option: str, path: Path) -> dict | str:
 
 def _tune_kernels(args: argparse.Namespace, out: Console, err: Console) -> int:
     """`--tune-kernels helion` (`kda.bench.helion_tuning`)."""
-    import torch
-
-    from kda.backends.helion import configs, forward, runtime
-
-    if not torch.cuda.is_available():
-        return cliargs.usage_error(PROG, "--tune-kernels needs a CUDA GPU")
-    problem = runtime.helion_problem()
-    if problem is not None:
-        return cliargs.usage_error(PROG, f"--tune-kernels helion: {problem}")
     from kda.bench import helion_tuning
 
-    table = args.table or configs.shipped_table_path(forward.arch(torch.device("cuda")))
+    problem = helion_tuning.problem()
+    if problem is not None:
+        return cliargs.usage_error(PROG, f"--tune-kernels helion: {problem}")
     shapes = args.shape or DENSE_SHAPES
     modes = args.mode or ["fwd", "train_safe"]
-    written = helion_tuning.tune(shapes, modes, args.tune_budget_s, table, lambda line: err.print(line, markup=False))
+    log = lambda line: err.print(line, markup=False)  # noqa: E731
+    written = helion_tuning.tune(shapes, modes, args.tune_budget_s, args.table, log)
     out.print(f"wrote {written}")
     return 0
 

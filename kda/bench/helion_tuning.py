@@ -8,6 +8,9 @@ default configuration: one setting at a time (each block size over 32 and 64, ``
 the next setting. A candidate that does not compile or fails is skipped. The search stops at the time
 budget and writes what it has; entries are keyed like the table (``K``, ``V``, chunk size, half storage).
 
+It reaches into the helion backend (its kernel launcher and table), the one part of the bench that does:
+tuning a backend's kernels is knowing them (`tests/test_layers.py` lists the exception).
+
 Kernels that write into their inputs (the state pass writes ``v_new`` over ``u``; the score backward adds
 into its gradients) are timed on the recorded buffers as they are: their values change from run to run,
 the work does not.
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 import kda
-from kda.backends.helion import configs, runtime
+from kda.backends.helion import configs, forward, runtime
 from kda.bench.timing import median_ms
 from kda.workloads import MODES, BenchShape, make_inputs
 
@@ -106,9 +109,18 @@ def tune_launch(launch: Launch, device: torch.device, deadline: float) -> tuple[
     return best, best_ms, default_ms
 
 
-def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path, log: Callable[[str], None]) -> Path:
-    """Tune every kernel at each (shape, mode) until the budget is spent; write the table to `out`."""
+def problem() -> str | None:
+    """Why the kernels cannot be tuned here, or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return runtime.helion_problem()
+
+
+def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path | None, log: Callable[[str], None]) -> Path:
+    """Tune every kernel at each (shape, mode) until the budget is spent; write the table to `out` (default:
+    the table shipped in the package for this GPU)."""
     device = torch.device("cuda")
+    out = out or configs.shipped_table_path(forward.arch(device))
     deadline = time.monotonic() + budget_s
     table: dict[str, list[dict[str, Any]]] = {}
     if out.is_file():

@@ -215,7 +215,10 @@ def chunk_kda(
         cu_seqlens: variable length: ``[N+1]`` int32/int64 sequence boundaries in the flattened time axis
             (0, non-decreasing, ending at T), on q's device; q etc. then have ``B == 1``.
         cu_seqlens_cpu: an optional host copy of ``cu_seqlens`` (saves backends a device sync).
-        cp_context: FLA-only (context parallelism), not supported: `KDAInputError` unless None.
+        cp_context: context parallelism: a `kda.distributed.CPContext` (`kda.distributed.build_cp_context`);
+            q etc. are then this rank's slice of the tokens and ``o`` its slice of the output. With it,
+            ``initial_state`` and ``final_state`` are every sequence's, on every rank (FLA takes neither).
+            Eager only: under ``torch.compile`` it is a `KDAInputError`.
         use_graph: the call will be captured in a CUDA graph: with ``cu_seqlens``, a backend must not read its
             values on the host (FLA's meaning; pad cu_seqlens with empty sequences to ``max_num_seqs + 1``
             entries). Backends that would decline, with the reason.
@@ -270,7 +273,11 @@ def chunk_kda(
         chunk_size=chunk_size,
     )
     if torch.compiler.is_compiling():  # one custom op in the graph: kda.library (~0.15 us here when eager)
-        return library.chunk_kda_call(args, kwargs, backend)
+        return library.chunk_kda_call(args, kwargs, backend)  # (which refuses cp_context: eager only)
+    if cp_context is not None:  # kda.distributed splits the call over the group and comes back here per rank
+        from kda import distributed
+
+        return distributed.chunk_kda_cp(args, kwargs, backend)
     v_dtype = v.dtype if isinstance(v, torch.Tensor) else None
     spec, args = _prepare(args, kwargs)
     return _run(spec, args, backend, v_dtype if v_dtype is not None else spec.dtype)

@@ -283,7 +283,7 @@ def test_no_final_state_returns_none():
         ({"head_first": True}, "head_first"),  # FLA would read head-first tensors as time-major
         ({"return_intermediate_states": True}, "return_intermediate_states"),  # eager only
         ({"output_final_state": 1}, "output_final_state"),  # a value the schema cannot take
-        ({"cp_context": object()}, "cp_context"),  # an FLA option kda does not implement
+        ({"cp_context": object()}, "cp_context"),  # context parallelism is eager only
         ({"backend": None}, "backend"),
     ],
 )

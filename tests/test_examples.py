@@ -49,3 +49,23 @@ def test_serving_decode_runs_pools_padding_and_speculative_decoding_on_cpu(tmp_p
     assert "padding row output zero: True" in out
     accepted = float(out.split("accepted states vs one token at a time:")[1].split()[0])
     assert accepted < 8e-3  # one bf16 rounding (kda.verify.recurrent_policy.POOL_ROUNDING_TOLERANCE)
+
+
+def test_context_parallel_runs_under_torchrun_on_two_cpu_processes(tmp_path):
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": python_path, "KDA_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*command, str(REPO_ROOT / "examples" / "context_parallel.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "parallel over 2 ranks" in line]
+    assert [line.split()[0] for line in lines] == ["sequence", "head"], proc.stdout
+    for line in lines:
+        errors = line.split("relative error vs one call:")[1].split(",")
+        assert all(float(part.split()[1]) < 1e-3 for part in errors), line  # fp32 inputs

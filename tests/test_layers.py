@@ -1,6 +1,7 @@
 """The package's layers run one way: every import under kda/ (module-level and inside functions) is checked
 against the allowed arrows below, so that a lower layer never imports a higher one.
 
+    distributed ->  the public API (kda.api), options, errors   (context parallelism: per rank, an ordinary call)
     api (kda, kda.api, kda.report, kda.library, kda.routes, kda.recurrent.api, kda.recurrent.library)
         ->  dispatch, registry, spec, ...
     dispatch  ->  verify, timings, registry, store, spec, config
@@ -53,7 +54,7 @@ def layer_of(module: str) -> str:
         "kda.recurrent.library",
     ):
         return "api"
-    for prefix in ("kda.verify", "kda.bench", "kda.backends"):
+    for prefix in ("kda.verify", "kda.bench", "kda.backends", "kda.distributed"):
         if module == prefix or module.startswith(prefix + "."):
             return prefix.removeprefix("kda.")
     if module in BOTTOM:
@@ -64,6 +65,7 @@ def layer_of(module: str) -> str:
 # What each layer may import (besides itself and anything outside kda). Bottom modules are named one by one
 # where a layer may use only some of them.
 ALLOWED: dict[str, set[str]] = {
+    "distributed": {"api", *BOTTOM},
     "api": {"dispatch", "registry", "backends.base", *BOTTOM},
     "dispatch": {"verify", "timings", "registry", "backends.base", *BOTTOM},
     "verify": {"backends.base", "registry", "workloads", *BOTTOM},
@@ -88,6 +90,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # The bench's `fla` baseline times FLA's own function directly, not through kda's dispatch.
     ("kda.bench.runner", "kda.backends.fla"): "the raw FLA baseline",
     ("kda.bench.decode", "kda.backends.fla.recurrent"): "the raw FLA baseline of the decode op",
+    # `chunk_kda(cp_context=...)` hands the call to kda.distributed, which calls chunk_kda per rank.
+    ("kda.api", "kda.distributed"): "context parallelism's entry",
     # `--tune-kernels helion` times the helion backend's kernels one by one: it has to know them.
     ("kda.bench.helion_tuning", "kda.backends.helion.configs"): "tuning the helion backend's kernels",
     ("kda.bench.helion_tuning", "kda.backends.helion.forward"): "tuning the helion backend's kernels",

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kda.backends.base import KDAInputs
+from kda.errors import KDAInputError
+from kda.spec import KDASpec, cu_seqlens_violation
+
 
 @dataclass(frozen=True)
 class ChunkLayout:
@@ -53,3 +57,15 @@ def _layout(bounds: tuple[int, ...], chunk_size: int, device: str) -> ChunkLayou
         len(bounds) - 1,
         len(starts),
     )
+
+
+def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
+    """The sequences' token boundaries: ``b * T`` for a dense batch, cu_seqlens' values with varlen."""
+    if not spec.is_varlen:
+        return tuple(b * spec.T for b in range(spec.B + 1))
+    bounds = inputs.host_cu_seqlens()  # a device sync when the caller gave no host copy
+    assert bounds is not None
+    broken = cu_seqlens_violation(bounds, spec.T)
+    if broken is not None:  # the spec could not read a device-resident cu_seqlens without a sync
+        raise KDAInputError("cu_seqlens", broken)
+    return tuple(bounds)

@@ -4,6 +4,8 @@ GPUs, gloo on CPUs; no transport of kda's own).
 - `all_gather`: every rank's tensor (same shape), stacked ``[world, ...]``. Backward: each rank's gradient
   of the stack is summed over ranks and every rank keeps its own slot (a reduce-scatter, done as an
   all-reduce of the whole stack where the backend has no reduce-scatter: gloo).
+- `all_gather_start` / `all_gather_wait`: the same, split so that work can run while the exchange is in
+  flight (the gathered buffer must not be read before `all_gather_wait`).
 - `all_reduce_sum`: the sum over ranks. Backward: the sum over ranks of the gradients.
 - `all_to_all`: rank ``r`` sends ``chunks[r']`` to rank ``r'`` and receives one tensor from every rank.
   Backward: the same exchange, reversed.
@@ -45,6 +47,38 @@ class _AllGather(torch.autograd.Function):
             return mine, None
         dist.all_reduce(grad, group=group)
         return grad[rank].clone(), None
+
+
+class Pending:
+    """An all-gather in flight: its handle, waited on by `all_gather_wait`."""
+
+    work: Any = None
+
+
+class _AllGatherStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Any, pending: Pending) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = tensor.new_empty(world, *tensor.shape)
+        pending.work = dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        mine, _ = _AllGather.backward(ctx, grad)
+        return mine, None, None
+
+
+class _AllGatherWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, pending: Pending) -> torch.Tensor:
+        pending.work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -114,6 +148,15 @@ class _Join(torch.autograd.Function):
 
 def all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return _AllGather.apply(tensor, group)
+
+
+def all_gather_start(tensor: torch.Tensor, group: Any) -> tuple[torch.Tensor, Pending]:
+    pending = Pending()
+    return _AllGatherStart.apply(tensor, group, pending), pending
+
+
+def all_gather_wait(out: torch.Tensor, pending: Pending) -> torch.Tensor:
+    return _AllGatherWait.apply(out, pending)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -11,9 +11,10 @@ with ``S_ext`` the piece's end state from a zero start. Each rank:
    final state is ``[S_ext | M]`` (``[K, V + K]``; two calls when ``V + K > 256``). No kernel of its own: any
    verified backend computes the transition, verified as it is;
 2. all-gathers them (``[world, P, HV, K, V + K]`` fp32, ``P`` the most open pieces any rank has);
-3. chains, in fp32, the earlier ranks' pairs of the sequence each of its *continuing* pieces belongs to,
-   from the sequence's initial state: ``S = M_r S + S_ext_r`` in rank order, the true start state;
-4. runs its slice from those start states (one backend call, varlen over its pieces);
+3. while the exchange is in flight, runs its pieces that begin on this rank (they need no other rank);
+4. chains, in fp32, the earlier ranks' pairs of the sequence each of its *continuing* pieces belongs to,
+   from the sequence's initial state: ``S = M_r S + S_ext_r`` in rank order, the true start state, and
+   runs those pieces from it (with ``B = 1`` only the first piece of a slice continues);
 5. with ``output_final_state``, sums the final states of the sequences ending on each rank over the group.
 
 The backward is autograd through these steps: the gradient of a piece's start state flows to the earlier
@@ -87,41 +88,59 @@ def sequence_parallel(
     # (a rank with no open piece sends zeros): else that rank would skip a collective the others enter.
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
     collectives: list[torch.Tensor] = []
-    chained: dict[int, torch.Tensor] = {}
+    pending = None
     if widest > 0:
         pairs = torch.zeros(widest, HV, K, V + K, dtype=torch.float32, device=device, requires_grad=grads)
         if open_by_rank[ctx.rank]:
             found = _transitions(call, tensors, open_by_rank[ctx.rank])
             pairs = torch.cat([found, pairs[len(found) :]]) if len(found) < widest else found
-        gathered = comm.all_gather(pairs, ctx.group)  # [world, widest, HV, K, V + K]
+        in_flight, pending = comm.all_gather_start(pairs, ctx.group)  # [world, widest, HV, K, V + K]
+
+    outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # piece index -> (o rows, final state)
+
+    def run(indices: list[int], starts: list[torch.Tensor]) -> None:
+        if not indices:
+            return
+        chosen = [mine[i] for i in indices]
+        h0 = torch.stack(starts)
+        if ctx.bounds is None:  # dense: each piece is a whole row, and the call stays dense
+            rows = [p.row for p in chosen]
+            o_part, final_part = call({n: t[rows] for n, t in tensors.items()}, h0, None, None)
+            pieces_o = list(o_part.unbind(0))
+        else:
+            cu, cu_cpu = _bounds(chosen, device)
+            o_part, final_part = call({n: _rows(t, chosen) for n, t in tensors.items()}, h0, cu, cu_cpu)
+            pieces_o = list(o_part[0].split([p.end - p.start for p in chosen]))
+        for slot, i in enumerate(indices):
+            outputs[i] = (pieces_o[slot], final_part[slot])
+
+    begin_here = [i for i, p in enumerate(mine) if p.begins]
+    run(begin_here, [start_of(mine[i].seq) for i in begin_here])  # overlaps the exchange
+    if pending is not None:
+        gathered = comm.all_gather_wait(in_flight, pending)
         collectives.append(gathered)
-        for piece in mine:
-            if piece.begins:
-                continue
-            S = start_of(piece.seq)
+        continuing = [i for i, p in enumerate(mine) if not p.begins]
+        starts = []
+        for i in continuing:
+            S = start_of(mine[i].seq)
             for r in range(ctx.rank):
                 for slot, other in enumerate(open_by_rank[r]):
-                    if other.seq == piece.seq:
+                    if other.seq == mine[i].seq:
                         S_ext, M = gathered[r, slot, ..., :V], gathered[r, slot, ..., V:]
                         S = torch.einsum("hij,hjv->hiv", M, S) + S_ext
-            chained[piece.seq] = S
+            starts.append(S)
+        run(continuing, starts)
 
     if mine:
-        starts = torch.stack([chained[p.seq] if p.seq in chained else start_of(p.seq) for p in mine])
-        if ctx.bounds is None:  # dense: every row is one piece, and the call stays dense
-            o, local_final = call(tensors, starts, None, None)
-        else:
-            cu, cu_cpu = _bounds(mine, device)
-            o_rows, local_final = call({n: _rows(t, mine) for n, t in tensors.items()}, starts, cu, cu_cpu)
-            o = o_rows.reshape(B, T_local, HV, V)
+        ordered = [outputs[i][0] for i in range(len(mine))]
+        o = torch.stack(ordered) if ctx.bounds is None else torch.cat(ordered).unsqueeze(0)
     else:
         o = v.new_zeros(B, T_local, HV, V)
-        local_final = None
 
     final = None
     if want_final:
         ends = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device, requires_grad=grads)
-        contributions = [(p.seq, local_final[i]) for i, p in enumerate(mine) if p.ends] if mine else []
+        contributions = [(p.seq, outputs[i][1]) for i, p in enumerate(mine) if p.ends]
         if contributions:
             index = torch.tensor([seq for seq, _ in contributions], device=device)
             ends = ends.index_put((index,), torch.stack([s for _, s in contributions]))

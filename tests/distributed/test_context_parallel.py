@@ -56,11 +56,12 @@ SCENARIOS = {
     # head parallel: 2 and 4 ranks, varlen and dense
     "head-2-varlen": dict(mode="head", lengths=[40, 0, 60], splits=[64, 36]),
     "head-4-dense": dict(mode="head", B=2, T=48, H=4, HV=8, v_first=True),
+    "head-2-bf16-gva": dict(mode="head", dtype="bfloat16", H=2, HV=4, lengths=[70, 30]),
     # inference only: no autograd machinery
     "seq-2-inference": dict(training=False, lengths=[50, 50], splits=[70, 30]),
 }
 WORLD = {"seq-2-one-sequence": 2, "seq-4-varlen-uneven": 4, "seq-4-dense": 4, "seq-2-bf16": 2}
-WORLD |= {"head-2-varlen": 2, "head-4-dense": 4, "seq-2-inference": 2}
+WORLD |= {"head-2-varlen": 2, "head-4-dense": 4, "head-2-bf16-gva": 2, "seq-2-inference": 2}
 
 
 def spawn(world: int, scenario: dict[str, Any], out: Path) -> None:

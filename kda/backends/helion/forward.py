@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import ChunkLayout, chunk_layout
+from kda.backends.chunks import ChunkLayout, chunk_layout, sequence_bounds
 from kda.backends.helion import gate, normalize, output, runtime, scores, solve, state
 from kda.backends.helion.configs import ShapeKey
-from kda.errors import KDAInputError
-from kda.spec import GateMode, KDASpec, cu_seqlens_violation
+from kda.spec import GateMode, KDASpec
 
 GATES = {GateMode.PREGATED: gate.PREGATED, GateMode.SOFTPLUS: gate.SOFTPLUS, GateMode.SIGMOID: gate.SIGMOID}
 GATES[GateMode.SAFE] = gate.SAFE
@@ -56,17 +55,6 @@ def arch(device: torch.device) -> str:
         return "cpu"
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
-
-
-def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
-    if not spec.is_varlen:
-        return tuple(b * spec.T for b in range(spec.B + 1))
-    bounds = inputs.host_cu_seqlens()  # a device sync when the caller gave no host copy
-    assert bounds is not None
-    broken = cu_seqlens_violation(bounds, spec.T)
-    if broken is not None:  # the spec could not read a device-resident cu_seqlens without a sync
-        raise KDAInputError("cu_seqlens", broken)
-    return tuple(bounds)
 
 
 def make_plan(inputs: KDAInputs, spec: KDASpec) -> Plan:

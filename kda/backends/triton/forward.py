@@ -17,7 +17,7 @@ import torch
 import triton
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import chunk_layout
+from kda.backends.chunks import chunk_layout, sequence_bounds
 from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SIGMOID, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
@@ -25,23 +25,11 @@ from kda.backends.triton.output import output_kernel
 from kda.backends.triton.state import state_pass_kernel
 from kda.backends.triton.storage import dot_precisions, storage_dtype
 from kda.backends.triton.tiles import padded_dim
-from kda.errors import KDAInputError
-from kda.spec import GateMode, KDASpec, cu_seqlens_violation
+from kda.spec import GateMode, KDASpec
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
-    if not spec.is_varlen:
-        return tuple(b * spec.T for b in range(spec.B + 1))
-    bounds = inputs.host_cu_seqlens()  # a device sync when the caller gave no host copy
-    assert bounds is not None
-    broken = cu_seqlens_violation(bounds, spec.T)
-    if broken is not None:  # the spec could not read a device-resident cu_seqlens without a sync
-        raise KDAInputError("cu_seqlens", broken)
-    return tuple(bounds)
 
 
 def triton_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:

@@ -16,10 +16,10 @@ import warnings
 
 import pytest
 import torch
+from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, variant_id
 
 import kda
-from kda.spec import CaseClass, GateMode
-from kda.verify.cases import VerificationCase
+from kda.spec import GateMode
 from kda.verify.check import relative_error, run_case
 from kda.verify.policy import tolerance
 
@@ -39,32 +39,6 @@ def interpreter(monkeypatch):
     return kda.get_backend("helion")
 
 
-def case_class(**changes) -> CaseClass:
-    base = dict(
-        gate=GateMode.SAFE,
-        qk_l2norm=True,
-        beta="sigmoid",
-        dtype="float32",
-        varlen=False,
-        gva=False,
-        initial_state=True,
-        final_state=True,
-        state_v_first=False,
-        chunk_size=32,
-        head_dim=64,
-        training=False,
-    )
-    return CaseClass(**{**base, **changes})
-
-
-def small_case(cc: CaseClass, regime: str, *, K: int = 16, V: int = 32, seed: int) -> VerificationCase:
-    C = cc.chunk_size
-    group = 2 if cc.gva else 1
-    if cc.varlen:
-        return VerificationCase(cc, regime, 1, 1, group, K, V, (2 * C + 5, 0, 1, C - 3), cc.dtype, seed=seed)
-    return VerificationCase(cc, regime, 2, 1, group, K, V, (2 * C + 7,), cc.dtype, seed=seed)
-
-
 VARIANTS = [
     dict(),
     dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given"),
@@ -76,11 +50,7 @@ VARIANTS = [
 ]
 
 
-def _ids(v: dict) -> str:
-    return "-".join(f"{k}={getattr(x, 'value', x)}" for k, x in v.items()) or "safe"
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("regime", ["realistic", "extreme"])
 def test_forward_matches_the_reference(seed, interpreter, variant, regime):
     cc = case_class(**variant)
@@ -89,28 +59,13 @@ def test_forward_matches_the_reference(seed, interpreter, variant, regime):
     assert "o" in result.errors
 
 
-TRAINING_VARIANTS = [
-    dict(),
-    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given", chunk_size=64),
-    dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True, state_v_first=True),
-    dict(dtype="bfloat16", varlen=True, initial_state=False),
-    dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
-    dict(gate=GateMode.SIGMOID, varlen=True),
-]
-
-
-@pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=_ids)
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("regime", ["realistic", "extreme"])
 def test_backward_gives_every_gradient(seed, interpreter, variant, regime):
     cc = case_class(**variant, training=True)
     result = run_case(interpreter, small_case(cc, regime, seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
-    expected = (
-        {"dq", "dk", "dv", "dg", "dbeta"}
-        | ({"dA_log", "ddt_bias"} if cc.gate is not GateMode.PREGATED else set())
-        | ({"dinitial_state"} if cc.initial_state else set())
-    )
-    assert expected <= set(result.errors)
+    assert expected_gradients(cc) <= set(result.errors)
 
 
 @pytest.mark.slow

@@ -1,0 +1,58 @@
+"""The small verification cases the kernel backends' interpreter tests share (triton, helion): one case class
+with the variants under test changed, tiny concrete sizes that span several chunks with a ragged tail (and,
+varlen, an empty and a one-token sequence), and the gradients a training case must report."""
+
+from __future__ import annotations
+
+from kda.spec import CaseClass, GateMode
+from kda.verify.cases import VerificationCase
+
+
+def case_class(**changes) -> CaseClass:
+    base = dict(
+        gate=GateMode.SAFE,
+        qk_l2norm=True,
+        beta="sigmoid",
+        dtype="float32",
+        varlen=False,
+        gva=False,
+        initial_state=True,
+        final_state=True,
+        state_v_first=False,
+        chunk_size=32,
+        head_dim=64,
+        training=False,
+    )
+    return CaseClass(**{**base, **changes})
+
+
+def small_case(cc: CaseClass, regime: str, *, K: int = 16, V: int = 32, seed: int) -> VerificationCase:
+    C = cc.chunk_size
+    group = 2 if cc.gva else 1
+    if cc.varlen:
+        lengths = (2 * C + 5, 0, 1, C - 3)
+        return VerificationCase(cc, regime, 1, 1, group, K, V, lengths, cc.dtype, seed=seed)
+    return VerificationCase(cc, regime, 2, 1, group, K, V, (2 * C + 7,), cc.dtype, seed=seed)
+
+
+TRAINING_VARIANTS = [
+    dict(),
+    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given", chunk_size=64),
+    dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", varlen=True, gva=True, state_v_first=True),
+    dict(dtype="bfloat16", varlen=True, initial_state=False),
+    dict(dtype="float16", gva=True, final_state=False, chunk_size=64),
+    dict(gate=GateMode.SIGMOID, varlen=True),  # lower_bound without safe_gate: -8, and -40 (past the floor)
+]
+
+
+def variant_id(variant: dict) -> str:
+    return "-".join(f"{k}={getattr(x, 'value', x)}" for k, x in variant.items()) or "safe"
+
+
+def expected_gradients(cc: CaseClass) -> set[str]:
+    """The gradients a training case of `cc` must report an error for."""
+    return (
+        {"dq", "dk", "dv", "dg", "dbeta"}
+        | ({"dA_log", "ddt_bias"} if cc.gate is not GateMode.PREGATED else set())
+        | ({"dinitial_state"} if cc.initial_state else set())
+    )

@@ -23,6 +23,9 @@
 #   sweep        benchmarks/triton_stages.py: the forward's stages and launch variants at SWEEP_SHAPE, then
 #                the training kernels' variants (--train-sweep, one variant a process)
 #   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
+#   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel at STAGE_SHAPES (default
+#                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
+#                training at head dim 256 with a synchronize after each launch, which names a faulting kernel
 #   tests        the test suite on CUDA (its GPU-only tests run there)
 #   tune-helion  `kda.bench --tune-kernels helion` at SHAPES (fwd and train_safe) within HELION_TUNE_S seconds
 #                (default 200) -> tune-helion/tuned_sm90.json, which the targets after it in the same run use
@@ -134,8 +137,21 @@ for target in "$@"; do
     done
     tail -n 40 "$OUT/profile/kernels.txt"
     ;;
+  helion-stages)
+    mkdir -p "$OUT/helion-stages"
+    for mode in ${MODES:-fwd fwd_pregated train_safe}; do
+      # shellcheck disable=SC2086
+      KDA_VERIFY=off timeout "$(left 90)" python3 benchmarks/helion_stages.py --mode "$mode" \
+        ${STAGE_SHAPES:-B4_T2048_H16_D128} >> "$OUT/helion-stages/kernels.txt" 2>&1
+    done
+    KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/helion_stages.py --sync-each \
+      --mode train_safe B1_T1024_H4_D256 > "$OUT/helion-stages/d256.txt" 2>&1
+    echo "helion-stages d256: exit $?"
+    grep -v -i warn "$OUT/helion-stages/kernels.txt" | tail -60; tail -n 12 "$OUT/helion-stages/d256.txt"
+    ;;
   tune-helion)
     mkdir -p "$OUT/tune-helion"
+    cp kda/backends/helion/tuned_sm90.json "$OUT/tune-helion/tuned_sm90.json"  # the tuner adds to the shipped entries
     # shellcheck disable=SC2046
     timeout "$(left 20)" python3 -m kda.bench --tune-kernels helion --tune-budget-s "${HELION_TUNE_S:-200}" \
       --table "$OUT/tune-helion/tuned_sm90.json" $(shape_args $SHAPES) > "$OUT/tune-helion/log.txt" 2>&1
@@ -148,7 +164,7 @@ for target in "$@"; do
     tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, tune-helion, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tests)" >&2
     exit 2
     ;;
   esac

@@ -2,11 +2,14 @@
 kernels on this GPU and write them as a table `kda.backends.helion.configs` reads.
 
 For each shape and mode, one call of the helion backend is recorded: every kernel launch with its
-arguments. Each kernel is then tuned on its own recorded arguments by a coordinate search from Helion's
-default configuration: one setting at a time (each block size over 32 and 64, ``num_warps`` over 4 and 8,
-``num_stages`` over 1 and 2: each candidate is a compilation of seconds), keeping the fastest (median of CUDA-event timings, warm-up excluded) before
-the next setting. A candidate that does not compile or fails is skipped. The search stops at the time
-budget and writes what it has; entries are keyed like the table (``K``, ``V``, chunk size, half storage).
+arguments. Each kernel's default configuration is timed first, and the kernels are then tuned slowest
+first (a training step's time sits in three of its thirteen launches, so a short budget goes there), each on
+its own recorded arguments by a coordinate search from Helion's default configuration: one setting at a
+time (each block size over 32, 64 and 128, ``num_warps`` over 4 and 8, ``num_stages`` over 1 and 2: each
+candidate is a compilation of seconds), keeping the fastest (median of CUDA-event timings, warm-up
+excluded) before the next setting. A candidate that does not compile or fails is skipped. The search stops
+at the time budget and writes what it has; entries are keyed like the table (``K``, ``V``, chunk size, half
+storage).
 
 It reaches into the helion backend (its kernel launcher and table), the one part of the bench that does:
 tuning a backend's kernels is knowing them (`tests/test_layers.py` lists the exception).
@@ -75,25 +78,34 @@ def _time(fn, precision: str, args: tuple[Any, ...], config: Any, device: torch.
 def _axes(config: dict[str, Any]) -> list[tuple[str, int | None, list[int]]]:
     axes: list[tuple[str, int | None, list[int]]] = []
     for slot in range(len(config.get("block_sizes", []))):
-        axes.append(("block_sizes", slot, [32, 64]))
+        axes.append(("block_sizes", slot, [32, 64, 128]))
     axes.append(("num_warps", None, [4, 8]))
     axes.append(("num_stages", None, [1, 2]))
     return axes
 
 
-def tune_launch(launch: Launch, device: torch.device, deadline: float) -> tuple[dict[str, Any], float, float]:
-    """(best config, its ms, the default's ms) for one recorded launch, by coordinate search."""
+def default_of(launch: Launch, device: torch.device) -> tuple[dict[str, Any], float]:
+    """Helion's default configuration for one recorded launch, and its ms (inf where it fails)."""
     import helion
 
     fn, precision, args, _ = launch
-    kernel = runtime._kernel(fn, precision, False)
-    bound = kernel.bind(args)
-    best = json.loads(bound.config_spec.default_config().to_json())
-    default_ms = best_ms = _time(fn, precision, args, helion.Config(**best), device) or float("inf")
+    bound = runtime._kernel(fn, precision, False).bind(args)
+    config = json.loads(bound.config_spec.default_config().to_json())
+    return config, _time(fn, precision, args, helion.Config(**config), device) or float("inf")
+
+
+def tune_launch(
+    launch: Launch, start: tuple[dict[str, Any], float], device: torch.device, deadline: float
+) -> tuple[dict[str, Any], float]:
+    """(best config, its ms) for one recorded launch, by coordinate search from `start` (config, ms)."""
+    import helion
+
+    fn, precision, args, _ = launch
+    best, best_ms = start
     for name, slot, values in _axes(best):
         for value in values:
             if time.monotonic() > deadline:
-                return best, best_ms, default_ms
+                return best, best_ms
             trial = json.loads(json.dumps(best))
             if slot is None:
                 if trial.get(name) == value:
@@ -106,7 +118,7 @@ def tune_launch(launch: Launch, device: torch.device, deadline: float) -> tuple[
             ms = _time(fn, precision, args, helion.Config(**trial), device)
             if ms is not None and ms < best_ms:
                 best, best_ms = trial, ms
-    return best, best_ms, default_ms
+    return best, best_ms
 
 
 def problem() -> str | None:
@@ -128,26 +140,28 @@ def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path | None,
             table = json.loads(out.read_text())
         except ValueError:
             table = {}
+    pending: list[tuple[Launch, str, str, dict[str, Any]]] = []  # launch, shape, mode, entry key
     for shape in shapes:
         for mode in modes:
             for launch in record_launches(shape, mode, device):
-                if time.monotonic() > deadline:
-                    break
                 fn, _, _, key = launch
-                entries = table.setdefault(fn.__name__, [])
                 entry_key = {"K": key.K, "V": key.V, "C": key.C, "half": key.half}
-                if any({k: e[k] for k in entry_key} == entry_key for e in entries):
-                    continue  # tuned already (a kernel launched twice in one call, or an earlier shape)
-                config, ms, default_ms = tune_launch(launch, device, deadline)
-                entries.append(
-                    {
-                        **entry_key,
-                        "shape": shape,
-                        "ms": round(ms, 4),
-                        "default_ms": round(default_ms, 4),
-                        "config": config,
-                    }
-                )
-                log(f"{fn.__name__:24s} {shape} {mode}: {default_ms:.3f} -> {ms:.3f} ms")
+                known = table.get(fn.__name__, []) + [e for (f, *_), _s, _m, e in pending if f.__name__ == fn.__name__]
+                if not any({k: e[k] for k in entry_key} == entry_key for e in known):
+                    pending.append((launch, shape, mode, entry_key))  # not tuned yet, nor twice in one call
+    defaults = [default_of(launch, device) for launch, *_ in pending]
+    for index in sorted(range(len(pending)), key=lambda i: -defaults[i][1]):  # the slowest first
+        if time.monotonic() > deadline:
+            break
+        launch, shape, mode, entry_key = pending[index]
+        name = launch[0].__name__
+        config, ms = tune_launch(launch, defaults[index], device, deadline)
+        default_ms = defaults[index][1]
+        if ms == float("inf"):  # nothing compiled and ran: no entry
+            log(f"{name:24s} {shape} {mode}: no configuration ran")
+            continue
+        entry = {**entry_key, "shape": shape, "ms": round(ms, 4), "default_ms": round(default_ms, 4), "config": config}
+        table.setdefault(name, []).append(entry)
+        log(f"{name:24s} {shape} {mode}: {default_ms:.3f} -> {ms:.3f} ms")
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return out

@@ -34,14 +34,13 @@ from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
 HEAD_DIM_LIMIT = 256
-TRAINING_HEAD_DIM_LIMIT = 128  # on CUDA; see `supports`
 
 
 class HelionBackend(Backend):
     """kda's own Helion kernels: forward and training, on CUDA or in Helion's CPU interpreter."""
 
     name = "helion"
-    version = "1"  # bump whenever a kernel changes: verification records are kept per version
+    version = "2"  # bump whenever a kernel changes: verification records are kept per version
     priority = 4  # below triton and fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True
@@ -76,12 +75,6 @@ class HelionBackend(Backend):
                 broken.append(
                     f"head dim {dim}={value}: takes multiples of 16 up to {HEAD_DIM_LIMIT} (tensor-core tiles)"
                 )
-        if spec.requires_grad and spec.device.type == "cuda" and max(spec.K, spec.V) > TRAINING_HEAD_DIM_LIMIT:
-            broken.append(
-                f"training at head dims above {TRAINING_HEAD_DIM_LIMIT} (K={spec.K}, V={spec.V}): on the H200 a "
-                "backward kernel at 256 faults (illegal memory access, found by `kda.verify`; the interpreter "
-                "computes it right), so it is not offered there"
-            )
         if spec.use_graph and spec.is_varlen and spec.device.type == "cuda":
             broken.append("use_graph with cu_seqlens: lays out its chunks from cu_seqlens' values on the host")
         return Verdict.unless(broken)

@@ -107,18 +107,26 @@ def warn_default(name: str, arch: str, why: str) -> None:
     )
 
 
+PORTABLE_SETTINGS = ("block_sizes", "num_warps", "num_stages", "pid_type", "l2_groupings", "loop_orders")
+
+
 def choose(name: str, key: ShapeKey, bound: Any) -> Any:
     """The `helion.Config` for kernel `name` bound at `key`: the nearest table entry, else the default."""
     import helion
 
     config = nearest(name, key)
     if config is not None:
-        try:
-            chosen = helion.Config(**config)
-            bound._normalize_config(chosen)  # raises on a config this specialization cannot take
-            return chosen
-        except Exception as error:
-            warn_default(name, key.arch, f"its table entry does not fit: {type(error).__name__}: {error}")
+        # Settings listed per memory access or per loop fit only the kernel variant they were tuned on (a
+        # flag that adds a store adds an access); the block sizes, warps and stages fit every variant.
+        for candidate in (config, {k: v for k, v in config.items() if k in PORTABLE_SETTINGS}):
+            try:
+                chosen = helion.Config(**candidate)
+                bound._normalize_config(chosen)  # raises on a config this specialization cannot take
+                bound.to_triton_code(chosen)  # and so does a setting that does not match its accesses
+                return chosen
+            except Exception as error:
+                problem = f"{type(error).__name__}: {error}"
+        warn_default(name, key.arch, f"its table entry does not fit: {problem}")
     else:
         warn_default(name, key.arch, f"no table entry at K={key.K}, V={key.V}")
     return bound.config_spec.default_config()

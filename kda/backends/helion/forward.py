@@ -151,7 +151,6 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
             spec.scale,
             plan.group,
             C,
-            spec.gate_mode is GateMode.SAFE,
         )
         run(
             solve.solve_kernel,

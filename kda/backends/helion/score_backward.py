@@ -10,8 +10,13 @@ A program takes the strip ``S = [s, s + 16)`` twice: as rows (its ``da``) and as
 Off the diagonal block the exponentials are split through an anchor between the two index sets, so both
 factors are <= 1 (`scores` explains why): as rows, the strip's first row ``s`` against the columns
 ``j < s``; as columns, the strip's last row ``s + 15`` against the rows after it. Each is one product over
-the chunk. The diagonal block is exact: one unrolled step per row (or column) of the block, the exponent
-set to -inf outside the causal triangle before ``exp``.
+the chunk. The diagonal block joins those products (``dP`` cut to its causal triangle first) when the
+strip's decay span against either anchor is at most 80 (``e^80`` is finite in fp32, as in `scores`) and
+its largest single log decay ``max |G_t - G_(t-1)|`` at most 8: ``da`` and ``db`` meet in ``dG`` as a
+difference, whose fp32 residual grows with the factors' exponents, and ``dA_log`` multiplies it by the log
+decays (the triton backend's rule, `DIFFERENCE_STEP`). Otherwise, decided per strip at run time, the block
+is exact: one unrolled step per row (or column) of the block, the exponent set to -inf outside the causal
+triangle before ``exp``. On the H200 the exact block for every strip was half the training step.
 
 Then, per row of the strip::
 
@@ -54,14 +59,25 @@ def score_backward_kernel(
         s = tile_s.begin
         rows = start + tile_s.index
         row_ok = rows < end
+        # which way the diagonal block goes (rows past the end hold G flat: they add nothing)
+        G_strip = G[c, hv, tile_s, :]  # [16, K]
+        previous = torch.where(tile_s.index > s, tile_s.index - 1, s)
+        G_prev = hl.load(G, [c, hv, previous, slice(None)])  # [16, K] the row before each (the first: itself)
+        from_first = torch.abs(G_strip - G[c, hv, s, :][None, :])
+        from_end = torch.abs(G_strip - G[c, hv, s + 15, :][None, :])
+        span = torch.amax(torch.amax(torch.maximum(from_first, from_end), dim=1), dim=0)
+        step = torch.amax(torch.amax(torch.abs(G_strip - G_prev), dim=1), dim=0)
+        by_product = (span <= 80.0) & (step <= 8.0)
         cols = hl.arange(C)
         col_ok = start + cols < end
-        before = (cols < s) & col_ok  # the rows' off-diagonal columns
-        after = (cols >= s + 16) & col_ok  # the columns' off-diagonal rows
-        dPq_rows = dP_qk[c, hv, tile_s, :]  # [16, C]
-        dPk_rows = dP_kk[c, hv, tile_s, :]
-        dPq_cols = dP_qk[c, hv, :, tile_s]  # [C, 16]
-        dPk_cols = dP_kk[c, hv, :, tile_s]
+        before = (cols < torch.where(by_product, s + 16, s)) & col_ok  # the rows' product columns
+        after = (cols >= torch.where(by_product, s, s + 16)) & col_ok  # the columns' product rows
+        rows_causal = cols[None, :] <= tile_s.index[:, None]  # [16, C] j <= i, the strip as rows
+        cols_causal = cols[:, None] >= tile_s.index[None, :]  # [C, 16] i >= j, the strip as columns
+        dPq_rows = torch.where(rows_causal, dP_qk[c, hv, tile_s, :], 0.0)  # [16, C]
+        dPk_rows = torch.where(rows_causal & (cols[None, :] != tile_s.index[:, None]), dP_kk[c, hv, tile_s, :], 0.0)
+        dPq_cols = torch.where(cols_causal, dP_qk[c, hv, :, tile_s], 0.0)  # [C, 16]
+        dPk_cols = torch.where(cols_causal & (cols[:, None] != tile_s.index[None, :]), dP_kk[c, hv, :, tile_s], 0.0)
         for tile_k in hl.tile(K):
             G_s = G[c, hv, tile_s, tile_k]  # [16, BK]
             G_first = G[c, hv, s, tile_k]  # [BK]
@@ -71,7 +87,7 @@ def score_backward_kernel(
             k_s = hl.load(k, [rows, head, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
             q_all = hl.load(q, [start + cols, head, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
             k_all = hl.load(k, [start + cols, head, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
-            # off the diagonal block, through the anchors
+            # through the anchors: off the diagonal block, and on it when by product
             k_before = k_all * torch.exp(torch.where(before[:, None], G_first[None, :] - G_all, float("-inf")))
             into_rows = torch.exp(G_s - G_first[None, :])
             da_q = into_rows * hl.dot(dPq_rows, k_before)
@@ -80,19 +96,23 @@ def score_backward_kernel(
             into_cols = torch.exp(G_end[None, :] - G_s)
             db_q = into_cols * hl.dot(dPq_cols.transpose(0, 1), q_all * decay_after)
             db_k = into_cols * hl.dot(dPk_cols.transpose(0, 1), k_all * decay_after)
-            # the diagonal block, exactly: token j = s + jj as a column (for da) and as a row (for db)
-            for jj in hl.static_range(16):
-                j = s + jj
-                j_ok = start + j < end
-                k_j = torch.where(j_ok, hl.load(k, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(torch.float32)
-                q_j = torch.where(j_ok, hl.load(q, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(torch.float32)
-                G_j = G[c, hv, j, tile_k]
-                e_col = torch.exp(torch.where((tile_s.index >= j)[:, None], G_s - G_j[None, :], float("-inf")))
-                da_q = da_q + dP_qk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col
-                da_k = da_k + dP_kk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col
-                e_row = torch.exp(torch.where((tile_s.index <= j)[:, None], G_j[None, :] - G_s, float("-inf")))
-                db_q = db_q + dP_qk[c, hv, j, tile_s][:, None] * q_j[None, :] * e_row
-                db_k = db_k + dP_kk[c, hv, j, tile_s][:, None] * k_j[None, :] * e_row
+            if not by_product:  # the diagonal block, exactly: token j = s + jj as a column (da) and a row (db)
+                for jj in hl.static_range(16):
+                    j = s + jj
+                    j_ok = start + j < end
+                    k_j = torch.where(j_ok, hl.load(k, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(
+                        torch.float32
+                    )
+                    q_j = torch.where(j_ok, hl.load(q, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(
+                        torch.float32
+                    )
+                    G_j = G[c, hv, j, tile_k]
+                    e_col = torch.exp(torch.where((tile_s.index >= j)[:, None], G_s - G_j[None, :], float("-inf")))
+                    da_q = da_q + dP_qk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col
+                    da_k = da_k + dP_kk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col
+                    e_row = torch.exp(torch.where((tile_s.index <= j)[:, None], G_j[None, :] - G_s, float("-inf")))
+                    db_q = db_q + dP_qk[c, hv, j, tile_s][:, None] * q_j[None, :] * e_row
+                    db_k = db_k + dP_kk[c, hv, j, tile_s][:, None] * k_j[None, :] * e_row
             dq_c[c, hv, tile_s, tile_k] = dq_c[c, hv, tile_s, tile_k] + da_q
             dk_c[c, hv, tile_s, tile_k] = dk_c[c, hv, tile_s, tile_k] + da_k + db_q + db_k
             dG_c[c, hv, tile_s, tile_k] = dG_c[c, hv, tile_s, tile_k] + q_s * da_q + k_s * (da_k - db_q - db_k)

@@ -13,13 +13,15 @@ LOG_DECAY_FLOOR per token), so ``exp(G_i - G_j)`` is never split over the whole 
 
     exp(G_i - G_j) = exp(G_i - G_a) exp(G_a - G_j)          both factors <= 1
 
-and the strip is one matrix product over ``K``. The diagonal block (``i, j`` both in ``I``) is computed
-exactly, element by element on ``[16, 16, BK]`` tiles, with the exponent set to -inf above the diagonal
-before ``exp`` (so that nothing overflows and nothing is multiplied by 0): no anchor can bound both
-factors there when the gate has no floor. With the safe gate (``SAFE_SPAN``: ``lower_bound >= -5``, so 15
-steps inside a block fall by at most 75 and ``exp(G_a - G_j) <= e^75`` is finite in fp32) the diagonal
-block rides the same anchored product, every kept entry ``i >= j`` being <= 1 and the rest discarded
-with ``where``: one product for the whole strip. The exact path cost 70% of the forward on the H200.
+and the strip is one matrix product over ``K``. The diagonal block (``i, j`` both in ``I``) takes the same
+anchored product when the strip's decay span ``max_{i,c} |G_i[c] - G_a[c]|`` is at most `DOT_SPAN` (80):
+then ``exp(G_a - G_j) <= e^80`` is finite in fp32, every kept entry ``i >= j`` is <= 1, and the entries
+above the diagonal (which may overflow) are discarded with ``where``, never multiplied by 0. The safe
+gate (``lower_bound >= -5``: 15 steps of at most 5) always qualifies, and so do realistic pre-gated gates.
+A strip with a larger span (an unbounded gate at its extremes) computes its diagonal block exactly
+instead, element by element on ``[16, 16, BK]`` tiles, with the exponent set to -inf above the diagonal
+before ``exp``. The choice is made per strip at run time (a branch on one scalar); on the H200 the exact
+block for every strip cost 70% of the forward.
 
 ``M`` is stored in fp32 (stage 3 solves the inverse from it; the backward reads it for ``dbeta``); A_qk and ``q_e`` in the storage dtype.
 Each strip writes its 16 rows whole: the columns before ``a`` from the product, the diagonal block, and
@@ -46,7 +48,6 @@ def scores_kernel(
     scale: float,
     group: int,  # HV // H
     C: hl.constexpr,
-    SAFE_SPAN: hl.constexpr,  # the safe gate: the diagonal block by the anchored product
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -60,8 +61,13 @@ def scores_kernel(
         a = tile_i.begin  # the strip's first row: the anchor
         rows = start + tile_i.index  # [16] tokens of the strip
         row_ok = rows < end
+        # the strip's decay span over the whole head dim (rows past the end hold G flat: they add nothing)
+        G_strip = G[c, hv, tile_i, :]  # [16, K]
+        span = torch.amax(torch.amax(torch.abs(G_strip - G[c, hv, a, :][None, :]), dim=1), dim=0)
+        by_product = span <= 80.0  # DOT_SPAN: e^80 = 5.5e34, finite in fp32
+        limit = torch.where(by_product, a + 16, a)  # the product's columns: before the strip, and its own
         cols = hl.arange(C)  # [C] the chunk's rows, as columns
-        col_ok = (start + cols < end) & (cols < a)  # only the columns before the strip
+        col_ok = (start + cols < end) & (cols < limit)
         diag = a + hl.arange(16)  # [16] the diagonal block's columns
         diag_ok = start + diag < end
         causal = tile_i.index[:, None] >= diag[None, :]  # [16, 16] i >= j
@@ -69,38 +75,34 @@ def scores_kernel(
         off_qk = hl.zeros([tile_i, C], dtype=torch.float32)
         blk_kk = hl.zeros([tile_i, 16], dtype=torch.float32)
         blk_qk = hl.zeros([tile_i, 16], dtype=torch.float32)
-        if SAFE_SPAN:
-            col_ok = (start + cols < end) & (cols < a + 16)  # the columns before the strip and its own
         for tile_k in hl.tile(K):
             G_i = G[c, hv, tile_i, tile_k]  # [16, BK]
             G_a = G[c, hv, a, tile_k]  # [BK]
             q_i = hl.load(q, [rows, h, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
             k_i = hl.load(k, [rows, h, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
             q_e[c, hv, tile_i, tile_k] = (scale * q_i * torch.exp(G_i)).to(q_e.dtype)
-            # the strip against the columns before it (and, SAFE_SPAN, its own), through the anchor
+            # the strip against the columns before it (and, by product, its own), through the anchor
             G_j = hl.load(G, [c, hv, cols, tile_k])  # [C, BK]
             k_j = hl.load(k, [start + cols, h, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
             k_j = k_j * torch.exp(torch.where(col_ok[:, None], G_a[None, :] - G_j, float("-inf")))
             decay_i = torch.exp(G_i - G_a[None, :])
             off_kk = hl.dot(k_i * decay_i, k_j.transpose(0, 1), acc=off_kk)
             off_qk = hl.dot(q_i * decay_i, k_j.transpose(0, 1), acc=off_qk)
-            if not SAFE_SPAN:  # the diagonal block, exactly
+            if not by_product:  # the diagonal block, exactly
                 G_d = hl.load(G, [c, hv, diag, tile_k])  # [16, BK]
                 k_d = hl.load(k, [start + diag, h, tile_k], extra_mask=diag_ok[:, None]).to(torch.float32)
                 exponent = torch.where(causal[:, :, None], G_i[:, None, :] - G_d[None, :, :], float("-inf"))
                 kd_e = k_d[None, :, :] * torch.exp(exponent)  # [16, 16, BK]
                 blk_kk = blk_kk + torch.sum(k_i[:, None, :] * kd_e, dim=2)
                 blk_qk = blk_qk + torch.sum(q_i[:, None, :] * kd_e, dim=2)
-        if SAFE_SPAN:  # one product gave the whole strip: keep j < i (A_kk) and j <= i (A_qk)
-            hl.store(M, [c, hv, tile_i, cols], torch.where(tile_i.index[:, None] > cols[None, :], off_kk, 0.0))
-            A = torch.where(tile_i.index[:, None] >= cols[None, :], scale * off_qk, 0.0)
-            hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype))
-        else:
-            strip = cols[None, :] < a  # columns the product wrote
-            outside = (cols < a) | (cols >= a + 16)  # [C] every column but the diagonal block's
-            hl.store(M, [c, hv, tile_i, cols], torch.where(strip, off_kk, 0.0), extra_mask=outside[None, :])
-            A = torch.where(strip, scale * off_qk, 0.0)
-            hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype), extra_mask=outside[None, :])
+        # every column but the diagonal block's comes from the product (zeros after the strip); the block
+        # too when it went by product: keep j < i (A_kk) and j <= i (A_qk)
+        from_product = (cols < a) | (cols >= a + 16) | by_product  # [C]
+        M_strip = torch.where((tile_i.index[:, None] > cols[None, :]) & (cols < limit)[None, :], off_kk, 0.0)
+        hl.store(M, [c, hv, tile_i, cols], M_strip, extra_mask=from_product[None, :])
+        A = torch.where((tile_i.index[:, None] >= cols[None, :]) & (cols < limit)[None, :], scale * off_qk, 0.0)
+        hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype), extra_mask=from_product[None, :])
+        if not by_product:
             strict = tile_i.index[:, None] > diag[None, :]
             hl.store(M, [c, hv, tile_i, diag], torch.where(strict, blk_kk, 0.0))
             hl.store(A_qk, [c, hv, tile_i, diag], torch.where(causal, scale * blk_qk, 0.0).to(A_qk.dtype))

@@ -76,6 +76,31 @@ def test_head_dims_of_256(seed, interpreter, training):
     assert result.passed, (cc.key, result.reason, result.errors)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_strips_past_the_product_span_take_the_exact_diagonal(seed, interpreter, training, monkeypatch):
+    """Strips of 16 tokens alternate between a gentle decay (span 0.8: the diagonal block by product) and a
+    steep one (span 240 > 80: by product it would overflow to inf), so both paths run in one call."""
+    torch.manual_seed(seed)
+    B, T, H, K, V, C = 1, 2 * 32 + 13, 2, 16, 16, 32
+    steep = ((torch.arange(T) // 16) % 2 == 1).view(1, T, 1, 1)
+    g = torch.where(steep, -16.0, -0.05) * (0.5 + torch.rand(B, T, H, K))
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    beta = torch.rand(B, T, H)
+    leaves = [x.requires_grad_(training) for x in (q, k, v, g, beta)]
+    monkeypatch.setenv("KDA_VERIFY", "off")  # the kernels themselves, against the float64 reference below
+    o, _ = kda.chunk_kda(*leaves, backend="helion", chunk_size=C)
+    wide = [x.detach().double().requires_grad_(training) for x in leaves]
+    reference, _ = kda.chunk_kda(*wide, backend="torch", chunk_size=C)
+    assert torch.isfinite(o).all()
+    assert relative_error(o.double(), reference) <= tolerance("o", "float32")
+    if training:
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, leaves, do)
+        expected = torch.autograd.grad(reference, wide, do.double())
+        for name, grad, want in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, expected):
+            assert relative_error(grad.double(), want) <= tolerance(name, "float32"), name
+
+
 def test_the_helion_kernels_are_what_ran(seed, interpreter, monkeypatch):
     launched: list[str] = []
     real = runtime.launch

@@ -1,0 +1,92 @@
+"""The helion backend's GPU time per kernel, at bench shapes and modes (GPU only).
+
+    KDA_VERIFY=off python benchmarks/helion_stages.py --mode fwd --mode train_safe B4_T2048_H16_D128
+    KDA_VERIFY=off python benchmarks/helion_stages.py --sync-each --mode train_safe B1_T1024_H4_D256
+
+Runs the bench's own callable (`kda.bench.runner.call_for`, so exactly what the bench times) with every
+Helion launch wrapped in CUDA events, and prints each kernel's median GPU milliseconds per call and its
+share of the call. ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
+that an illegal memory access names the kernel that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from kda.backends.helion import runtime
+from kda.bench.runner import call_for
+from kda.bench.shapes import MODES, BenchShape, make_inputs
+
+
+def instrument(times: dict[str, list[float]], sync_each: bool) -> None:
+    """Wrap `runtime.launch` so that each launch is timed by CUDA events (read after the call)."""
+    plain = runtime.launch
+    pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(fn, dot_precision, args, key) -> None:
+        name = fn.__name__.removesuffix("_kernel")
+        if sync_each:
+            print(f"  launching {name}", flush=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        plain(fn, dot_precision, args, key)
+        end.record()
+        pending.append((name, start, end))
+        if sync_each:
+            torch.cuda.synchronize()
+
+    def collect() -> None:
+        torch.cuda.synchronize()
+        per_call: dict[str, float] = defaultdict(float)
+        for name, start, end in pending:
+            per_call[name] += start.elapsed_time(end)
+        for name, ms in per_call.items():
+            times[name].append(ms)
+        pending.clear()
+
+    runtime.launch = timed  # type: ignore[assignment]
+    instrument.collect = collect  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="+")
+    parser.add_argument("--mode", action="append", required=True, choices=sorted(MODES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sync-each", action="store_true")
+    args = parser.parse_args()
+    times: dict[str, list[float]] = defaultdict(list)
+    instrument(times, args.sync_each)
+    for shape_name in args.shapes:
+        for mode_name in args.mode:
+            inputs = make_inputs(BenchShape.parse(shape_name), MODES[mode_name], "cuda", seed=0)
+            run, why = call_for("helion", inputs, MODES[mode_name])
+            if run is None:
+                print(f"{shape_name} {mode_name}: not run ({why})")
+                continue
+            began = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            print(f"\n{shape_name} {mode_name}: first call {time.perf_counter() - began:.1f} s", flush=True)
+            times.clear()
+            instrument.collect()  # type: ignore[attr-defined]
+            times.clear()
+            for _ in range(args.steps if not args.sync_each else 1):
+                run()
+                instrument.collect()  # type: ignore[attr-defined]
+            medians = {name: statistics.median(ms) for name, ms in times.items()}
+            total = sum(medians.values())
+            for name, ms in sorted(medians.items(), key=lambda item: -item[1]):
+                print(f"  {name:16s} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
+            print(f"  {'sum':16s} {total:8.3f} ms", flush=True)
+            times.clear()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -199,8 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         "reason": "no result (worker failed)",
         "cases": [],
     }
+    for b in runnable:  # a class whose worker died is a failure in the report too, never a missing row
+        for cc in classes:
+            if (b.name, cc.key) not in by_key:
+                entry = {"backend": b.name, "case_class": cc.key, **missing}
+                entries.append(entry)
+                by_key[(b.name, cc.key)] = entry
     for cc in classes:
-        table.add_row(cc.key, *[_cell(by_key.get((b.name, cc.key), missing)) for b in runnable])
+        table.add_row(cc.key, *[_cell(by_key[(b.name, cc.key)]) for b in runnable])
     out.print(table)
     for name, verdict in unavailable.items():
         out.print(f"[yellow]{name}: unavailable[/yellow] - {'; '.join(verdict.reasons)}")

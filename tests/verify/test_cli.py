@@ -386,6 +386,31 @@ def test_cli_jobs_spread_classes_over_processes_and_merge(tmp_path, capsys, monk
         assert record is not None and record.passed and record.source == "verify"
 
 
+def test_cli_jobs_report_a_dead_workers_classes_as_failed(tmp_path, capsys, monkeypatch):
+    """A worker that dies (a GPU fault kills its process) leaves no part file: its classes are failures in
+    the table, the count and the JSON report, not missing rows."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    )
+    real_popen = cli.subprocess.Popen
+
+    def dying_second_worker(command, **kwargs):
+        if any(part.endswith("part-1.json") for part in command):
+            command = [sys.executable, "-c", "import sys; sys.exit(134)"]
+        return real_popen(command, **kwargs)
+
+    monkeypatch.setattr(cli.subprocess, "Popen", dying_second_worker)
+    out_json = tmp_path / "report.json"
+    argv = ["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2]
+    code = cli.main([*argv, "--jobs", "2", "--work-dir", str(tmp_path / "work"), "--json", str(out_json)])
+    assert code == 1
+    assert "1 passed, 1 failed" in capsys.readouterr().out
+    payload = read_json(out_json)
+    assert payload["passed"] is False
+    status = {r["case_class"]: (r["status"], r["reason"]) for r in payload["results"]}
+    assert status == {CHEAP: ("pass", None), CHEAP_2: ("fail", "no result (worker failed)")}
+
+
 def test_cli_can_add_the_bench_classes(tmp_path, capsys, monkeypatch):
     from kda.verify.check import ClassResult
 

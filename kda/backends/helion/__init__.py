@@ -34,6 +34,7 @@ from kda.spec import KDASpec
 
 MIN_CAPABILITY = (8, 0)
 HEAD_DIM_LIMIT = 256
+TRAINING_HEAD_DIM_LIMIT = 128  # on CUDA; see `supports`
 
 
 class HelionBackend(Backend):
@@ -75,6 +76,13 @@ class HelionBackend(Backend):
                 broken.append(
                     f"head dim {dim}={value}: takes multiples of 16 up to {HEAD_DIM_LIMIT} (tensor-core tiles)"
                 )
+        if spec.requires_grad and spec.device.type == "cuda" and max(spec.K, spec.V) > TRAINING_HEAD_DIM_LIMIT:
+            broken.append(
+                f"training at head dims above {TRAINING_HEAD_DIM_LIMIT} (K={spec.K}, V={spec.V}): on the H200 a "
+                "compiled backward kernel faults at 256 in some classes (illegal memory access in fp16 varlen GVA "
+                "training, found by `kda.verify`; three other d256 training classes pass and the interpreter "
+                "computes every one right), so it is not offered there"
+            )
         if spec.use_graph and spec.is_varlen and spec.device.type == "cuda":
             broken.append("use_graph with cu_seqlens: lays out its chunks from cu_seqlens' values on the host")
         return Verdict.unless(broken)

@@ -45,6 +45,20 @@ TRAINING_VARIANTS = [
 ]
 
 
+def training_class(variant: dict, regime: str) -> CaseClass:
+    """The training case class of `variant` in `regime`. Extreme gates of an unfloored (softplus) or sigmoid
+    gate in fp32 meet the fp32 decay limit in dA_log now and then (a chunk's G near -1000 keeps an ulp of
+    6e-5: about one draw in 100 to 300 lands past the 1e-3 tolerance; the triton tests'
+    `test_dA_log_past_the_fp32_decay_limit` and its sigmoid twin pin it as strict xfails, and the random
+    cases leave that regime out the same way). A CI run drew it here (dA_log 1.66e-3, sigmoid, varlen), so
+    that regime runs in bf16 here: the same gates, through the same fp32 training kernels, against the bf16
+    tolerances."""
+    cc = case_class(**variant, training=True)
+    if regime == "extreme" and cc.dtype == "float32" and cc.gate in (GateMode.SOFTPLUS, GateMode.SIGMOID):
+        cc = case_class(**{**variant, "dtype": "bfloat16"}, training=True)
+    return cc
+
+
 def variant_id(variant: dict) -> str:
     return "-".join(f"{k}={getattr(x, 'value', x)}" for k, x in variant.items()) or "safe"
 

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, variant_id
+from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, training_class, variant_id
 
 import kda
 from kda.spec import GateMode
@@ -62,7 +62,7 @@ def test_forward_matches_the_reference(seed, interpreter, variant, regime):
 @pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("regime", ["realistic", "extreme"])
 def test_backward_gives_every_gradient(seed, interpreter, variant, regime):
-    cc = case_class(**variant, training=True)
+    cc = training_class(variant, regime)
     result = run_case(interpreter, small_case(cc, regime, seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
     assert expected_gradients(cc) <= set(result.errors)

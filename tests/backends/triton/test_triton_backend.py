@@ -18,7 +18,7 @@ import os
 import nonfinite
 import pytest
 import torch
-from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, variant_id
+from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, training_class, variant_id
 from tf32 import emulate_gpu_dots
 
 import kda
@@ -84,7 +84,7 @@ def interpreter(monkeypatch):
 )
 @pytest.mark.parametrize("regime", ["realistic", "extreme"])
 def test_backward_gives_every_gradient(seed, interpreter, variant, regime):
-    cc = case_class(**variant, training=True)
+    cc = training_class(variant, regime)
     result = run_case(interpreter, small_case(cc, regime, seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
     assert expected_gradients(cc) <= set(result.errors)

@@ -18,7 +18,15 @@ import os
 import nonfinite
 import pytest
 import torch
-from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, training_class, variant_id
+from kernel_cases import (
+    TRAINING_VARIANTS,
+    case_class,
+    expected_gradients,
+    small_case,
+    training_class,
+    training_heads,
+    variant_id,
+)
 from tf32 import emulate_gpu_dots
 
 import kda
@@ -268,7 +276,9 @@ def random_cases(draw) -> VerificationCase:
     # and a saturated gate's dg lies in fp16's subnormals, where rounding the float64 reference itself to
     # fp16 is 2.4e-2 off (tolerance 2e-2) for a one-token sequence (safe gate, seed 37), whatever the backend.
     g_dtype = "float32" if training and cc.dtype == "float16" else cc.dtype
-    return VerificationCase(cc, regime, B, 1, group, K, V, seq_lens, g_dtype, seed=draw(st.integers(0, 2**31 - 1)))
+    H = training_heads(cc)  # dA_log is one number per head: see tests/kernel_cases.py
+    seed = draw(st.integers(0, 2**31 - 1))
+    return VerificationCase(cc, regime, B, H, H * group, K, V, seq_lens, g_dtype, seed=seed)
 
 
 @settings(

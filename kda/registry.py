@@ -65,10 +65,19 @@ def _ensure_defaults() -> None:
         from kda.backends.fla import FLABackend
         from kda.backends.flashkda import FlashKDABackend
         from kda.backends.helion import HelionBackend
+        from kda.backends.tilelang import TileLangBackend
         from kda.backends.torch import TorchBackend
         from kda.backends.triton import TritonBackend
 
-        for builtin in (TorchBackend(), TritonBackend(), HelionBackend(), FLABackend(), FlashKDABackend()):
+        builtins = (
+            TorchBackend(),
+            TritonBackend(),
+            HelionBackend(),
+            TileLangBackend(),
+            FLABackend(),
+            FlashKDABackend(),
+        )
+        for builtin in builtins:
             _add(builtin, replace=False)
         for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:

@@ -18,9 +18,9 @@ from kda.backends.torch import TorchBackend
 from kda.verify import relative_error
 from kda.verify.check import is_verifying as in_verification
 
-# fla, flashkda, triton and helion are built in, and unavailable on a machine without their packages or a GPU;
+# fla, flashkda, triton, helion and tilelang are built in, and unavailable on a machine without their packages or a GPU;
 # the tests below are about the other backends, so they leave those out of their lists.
-ADAPTERS = {"fla", "flashkda", "triton", "helion"}
+ADAPTERS = {"fla", "flashkda", "triton", "helion", "tilelang"}
 
 
 def own_names() -> list[str]:

@@ -24,9 +24,9 @@ from kda.verify import cli
 from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import default_store
 
-# fla, flashkda, triton and helion are built in, and unavailable on a machine without their packages or a GPU;
+# fla, flashkda, triton, helion and tilelang are built in, and unavailable on a machine without their packages or a GPU;
 # the tests below are about the other backends, so they leave those out of their lists.
-ADAPTERS = {"fla", "flashkda", "triton", "helion"}
+ADAPTERS = {"fla", "flashkda", "triton", "helion", "tilelang"}
 
 
 def own_names() -> list[str]:

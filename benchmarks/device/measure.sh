@@ -27,6 +27,11 @@
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
 #                training at head dim 256 with a synchronize after each launch, which names a faulting kernel
 #   tests        the test suite on CUDA (its GPU-only tests run there)
+#   tilelang-compile  benchmarks/tilelang_compile.py: the tilelang backend's cold compile per head size, a first
+#                call at a new shape once compiled, and a new process on TileLang's disk cache -> times.jsonl
+#                (the tilelang backend needs TileLang carried: `prepare.sh all`, or `prepare.sh tilelang` too)
+#   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang forward's time and bytes per kernel at
+#                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128), fwd and fwd_pregated
 #   tune-helion  `kda.bench --tune-kernels helion` at SHAPES (fwd and train_safe) within HELION_TUNE_S seconds
 #                (default 200) -> tune-helion/tuned_sm90.json, which the targets after it in the same run use
 #                (KDA_HELION_CONFIGS); copy it over kda/backends/helion/tuned_sm90.json to ship it
@@ -50,7 +55,8 @@ SWEEP_SHAPE=${SWEEP_SHAPE:-B1_T8192_H96_D128}
 
 source .device/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache
-mkdir -p "$TRITON_CACHE_DIR" "$KDA_CACHE_DIR" "$OUT"
+export TILELANG_CACHE_DIR=/tmp/tilelang-cache  # compiled TileLang kernels, kept in state.tgz with the rest
+mkdir -p "$TRITON_CACHE_DIR" "$KDA_CACHE_DIR" "$TILELANG_CACHE_DIR" "$OUT"
 if [ -f .device/state.tgz ] && [ ! -f /tmp/.kda-state-unpacked ]; then
   tar xzf .device/state.tgz -C /tmp && touch /tmp/.kda-state-unpacked
 fi
@@ -95,7 +101,8 @@ for target in "$@"; do
     ;;
   bench)
     # shellcheck disable=SC2046
-    bench bench 20 --tune --backend baseline:fla --backend baseline:flashkda --backend triton --backend helion --backend flashkda \
+    bench bench 20 --tune --backend baseline:fla --backend baseline:flashkda --backend triton --backend helion \
+      --backend tilelang --backend flashkda \
       --backend fla --backend auto $(for m in ${MODES:-fwd}; do printf -- '--mode %s ' "$m"; done) \
       --cold-start "${COLD:-first}" $(shape_args $SHAPES)
     ;;
@@ -158,13 +165,26 @@ for target in "$@"; do
     echo "tune-helion: exit $?"; grep -v -i warn "$OUT/tune-helion/log.txt" | tail -40
     [ -f "$OUT/tune-helion/tuned_sm90.json" ] && export KDA_HELION_CONFIGS="$OUT/tune-helion/tuned_sm90.json"
     ;;
+  tilelang-compile)
+    mkdir -p "$OUT/tilelang-compile"
+    timeout "$(left 20)" python3 benchmarks/tilelang_compile.py --head-dims "${TILELANG_DIMS:-64,128,256}" \
+      > "$OUT/tilelang-compile/times.jsonl" 2> "$OUT/tilelang-compile/log.txt"
+    echo "tilelang-compile: exit $?"; cat "$OUT/tilelang-compile/times.jsonl"; tail -n 5 "$OUT/tilelang-compile/log.txt"
+    ;;
+  tilelang-stages)
+    mkdir -p "$OUT/tilelang-stages"
+    # shellcheck disable=SC2086
+    KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/tilelang_stages.py --mode fwd --mode fwd_pregated \
+      ${STAGE_SHAPES:-B1_T8192_H96_D128 B4_T2048_H16_D128} > "$OUT/tilelang-stages/kernels.txt" 2>&1
+    echo "tilelang-stages: exit $?"; grep -v -i warn "$OUT/tilelang-stages/kernels.txt" | tail -30
+    ;;
   tests)
     mkdir -p "$OUT/tests"
     timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra tests > "$OUT/tests/pytest.txt" 2>&1
     tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tilelang-compile, tilelang-stages, tests)" >&2
     exit 2
     ;;
   esac
@@ -172,5 +192,5 @@ done
 
 [ -n "${TUNING:-}" ] && { wait "$TUNING"; echo "tune-fla: exit $?"; tail -n 3 "$OUT/tune-fla/log.txt"; }
 (cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list 2>/dev/null
- tar czf "$OUT/state.tgz" kda-cache -T /tmp/autotune.list 2>/dev/null)
+ tar czf "$OUT/state.tgz" kda-cache tilelang-cache -T /tmp/autotune.list 2>/dev/null)
 ls -la "$OUT"

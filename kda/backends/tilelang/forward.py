@@ -1,0 +1,133 @@
+"""The forward pass: three launches (``intra``, with the ``gate`` macro inside it, ``state``, ``output``; the
+math is in each module).
+
+Inputs are read token-major where the caller put them (``tokens = B*T``, or ``T`` with varlen): q, k
+``[tokens, H, K]``, v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
+Intermediates are chunk-major (``[NT, HV, C, ...]``): ``G_last [NT, HV, K]`` in fp32 (``G`` itself never
+leaves the intra kernel's shared memory); ``q_e``, ``k_g``, ``w [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and
+``h [NT, HV, K, V]`` in the inputs' dtype (inference only: nothing is kept for a backward).
+
+`specializations` lists every kernel a call needs with its compile-time parameters: the backend compiles
+them all before it says yes to a call (`TileLangBackend.supports`), and CI lowers the same list for every
+shape class the backend claims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
+from kda.backends.chunks import chunk_layout, sequence_bounds
+from kda.backends.tilelang import gate, intra, output, runtime, state
+from kda.spec import GateMode, KDASpec
+
+GATES = {GateMode.PREGATED: gate.PREGATED, GateMode.SOFTPLUS: gate.SOFTPLUS}
+GATES |= {GateMode.SIGMOID: gate.SIGMOID, GateMode.SAFE: gate.SAFE}
+BV = 64  # value columns per program of the state and output stages
+
+
+class Kernel(NamedTuple):
+    name: str
+    builder: Callable[..., Any]
+    params: tuple[Any, ...]
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def specializations(spec: KDASpec) -> list[Kernel]:
+    """The three kernels of `spec`'s forward, with their compile-time parameters."""
+    C, K, V = spec.chunk_size, spec.K, spec.V
+    dtype = _dtype_name(spec.dtype)
+    bv = min(BV, V)
+    has_h0 = spec.initial_state is not None
+    gate_params = (
+        GATES[spec.gate_mode],
+        spec.dt_bias is not None,
+        spec.use_beta_sigmoid_in_kernel,
+        spec.g.dtype,
+        spec.beta.dtype,
+        float(spec.lower_bound or 0.0),
+        2.0 if spec.allow_neg_eigval else 1.0,
+    )
+    return [
+        Kernel("intra", intra.build, (C, K, V, dtype, float(spec.scale), spec.use_qk_l2norm_in_kernel, *gate_params)),
+        Kernel("state", state.build, (C, K, V, bv, dtype, has_h0, spec.output_final_state, spec.state_v_first)),
+        Kernel("output", output.build, (C, K, V, bv, dtype)),
+    ]
+
+
+def compile_all(spec: KDASpec) -> dict[str, Any]:
+    """The compiled kernels of `spec`, by stage name (raises `runtime.CompileFailure`)."""
+    kernels = specializations(spec)
+    built = runtime.compile_all([(kernel.builder, kernel.params) for kernel in kernels])
+    return {kernel.name: compiled for kernel, compiled in zip(kernels, built, strict=True)}
+
+
+def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
+    kernels = compile_all(spec)
+    device, f32 = spec.device, torch.float32
+    B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
+    tokens = B * T
+    layout = chunk_layout(sequence_bounds(inputs, spec), C, device)
+    NT = max(layout.num_chunks, 1)
+    dtype = spec.dtype
+
+    q = inputs.q.reshape(tokens, H, K).contiguous()
+    k = inputs.k.reshape(tokens, H, K).contiguous()
+    v = inputs.v.reshape(tokens, HV, V).contiguous()
+    G_last = torch.empty(NT, HV, K, dtype=f32, device=device)
+    q_e = torch.empty(NT, HV, C, K, dtype=dtype, device=device)
+    k_g = torch.empty_like(q_e)
+    w = torch.empty_like(q_e)
+    u = torch.empty(NT, HV, C, V, dtype=dtype, device=device)  # u, then v_new (the state pass writes over it)
+    A_qk = torch.empty(NT, HV, C, C, dtype=dtype, device=device)
+    h = torch.empty(NT, HV, K, V, dtype=dtype, device=device)
+    o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=dtype, device=device)
+    placeholder = torch.zeros(1, dtype=f32, device=device)
+    ht = None
+    if spec.output_final_state:
+        given = None if out is None else out.final_state
+        ht = (
+            given
+            if given is not None and given.is_contiguous()
+            else torch.empty(spec.state_shape, dtype=f32, device=device)
+        )
+    h0 = inputs.initial_state.contiguous() if inputs.initial_state is not None else None
+
+    if layout.num_chunks > 0:
+        A_log = (
+            inputs.A_log.float().contiguous() if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
+        )
+        dt_bias = inputs.dt_bias.reshape(HV, K).float().contiguous() if inputs.dt_bias is not None else placeholder
+        g = inputs.g.reshape(tokens, HV, K).contiguous()
+        b = inputs.beta.reshape(tokens, HV).contiguous()
+        starts, ends = layout.chunk_starts, layout.chunk_seq_ends
+        kernels["intra"](q, k, v, g, b, A_log, dt_bias, starts, ends, G_last, q_e, k_g, w, u, A_qk)
+    if layout.num_seqs > 0:
+        # each sequence's first and end chunk as buffers of their own: a view one element in starts 4 bytes
+        # past an aligned address, which a kernel's argument checks may refuse
+        kernels["state"](
+            w, u, k_g, G_last, layout.chunk_bounds[:-1].clone(), layout.chunk_bounds[1:].clone(), h,
+            h0 if h0 is not None else placeholder, ht if ht is not None else placeholder,
+        )  # fmt: skip
+    if layout.num_chunks > 0:
+        kernels["output"](q_e, h, A_qk, u, layout.chunk_starts, layout.chunk_seq_ends, o.view(tokens, HV, V))
+
+    if out is not None and o is not out.o:
+        out.o.copy_(o)
+        o = out.o
+    if ht is not None and out is not None and out.final_state is not None and ht is not out.final_state:
+        out.final_state.copy_(ht)
+        ht = out.final_state
+    per_chunk = None
+    if spec.return_intermediate_states:  # h is [NT, HV, K, V], the chunks of each sequence in turn
+        per_chunk = h[: layout.num_chunks].reshape(B, layout.num_chunks // B, HV, K, V)
+        if spec.state_v_first:
+            per_chunk = per_chunk.transpose(-1, -2)
+        per_chunk = per_chunk.to(spec.dtype).contiguous()
+    return ForwardResult(o, ht, None, per_chunk)

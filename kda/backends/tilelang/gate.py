@@ -1,0 +1,71 @@
+"""Stage 1, inside `intra`: the gate and beta activations, with the in-chunk cumulative sum of the gate.
+
+Per value head ``hv`` and chunk, with ``x = g + dt_bias[hv]`` and ``A = exp(A_log[hv])`` (1 without ``A_log``)::
+
+    pregated   a_t = g_t                                   (already a log decay)
+    softplus   a_t = -A softplus(x_t)
+    sigmoid    a_t = lower_bound sigmoid(A x_t)           (the safe gate too: it only promises -5 <= bound < 0)
+    G_t = sum_{s <= t, s in chunk} max(a_s, LOG_DECAY_FLOOR)          fp32, non-increasing in t
+    beta_t = beta_t, sigmoid(beta_t) or 2 sigmoid(beta_t)              fp32
+
+A TileLang macro, expanded at the start of the `intra` kernel: ``G`` and ``beta`` go to its shared memory
+and never to global memory (as a kernel of its own, writing ``G [NT, HV, C, K]`` in fp32 and reading it back
+moved 64 KB per chunk and head at K = 128, a quarter of the forward's bytes). Only ``G``'s last row leaves,
+for the state pass.
+
+The floor (`kda.reference.LOG_DECAY_FLOOR`; not on the safe gate, which stays above -5) keeps a NaN a NaN:
+it is a comparison that keeps ``a`` unless ``a < floor`` (CUDA's ``max`` returns the other operand of a NaN).
+Each thread owns one key column and walks the chunk's rows in order; the sum runs 16 rows at a time, each
+block's running sum added to the carry from the blocks before, so only the carry rounds at the magnitude of
+``G`` (a single running sum would round there at every row; ``dA_log`` of saturated softplus gates showed
+the difference in the other backends). Rows past the sequence's end hold ``G`` flat at the last token's
+value and ``beta = 0``, so a tail row adds nothing downstream.
+"""
+
+# No `from __future__ import annotations` here: TileLang evaluates a kernel's annotations, and they name
+# the builder's locals (the compile-time sizes and the dynamic lengths).
+import tilelang.language as T
+
+from kda.reference import LOG_DECAY_FLOOR
+
+PREGATED, SOFTPLUS, SIGMOID, SAFE = 0, 1, 2, 3  # values of `gate`
+ROWS = 16  # rows per summation block
+
+
+def scan(C: int, K: int, gate: int, has_dt_bias: bool, beta_sigmoid: bool, lower_bound: float, beta_scale: float):
+    """The macro filling ``G_s [C, K]`` and ``b_s [C]`` (fp32, shared) for chunk ``c`` of head ``hv``."""
+    f32 = "float32"
+
+    @T.macro
+    def activate_and_scan(g, beta, A_log, dt_bias, hv, start, end, G_s, b_s):
+        A = T.exp(A_log[hv])  # the host passes zeros without A_log
+        carry = T.alloc_fragment((K,), f32)  # G at the row before the block
+        block = T.alloc_fragment((K,), f32)  # the running sum inside the block
+        T.fill(carry, 0.0)
+        for b in T.serial(C // ROWS):
+            T.fill(block, 0.0)
+            for r in T.serial(ROWS):
+                for j in T.Parallel(K):
+                    t = start + b * ROWS + r
+                    x = T.if_then_else(t < end, T.cast(g[t, hv, j], f32), 0.0)
+                    if gate != PREGATED:
+                        if has_dt_bias:
+                            x = x + dt_bias[hv, j]
+                        if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
+                            x = -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
+                        else:
+                            x = lower_bound * T.sigmoid(A * x)
+                    if gate != SAFE:
+                        x = T.if_then_else(x < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, x)
+                    block[j] += T.if_then_else(t < end, x, 0.0)
+                    G_s[b * ROWS + r, j] = carry[j] + block[j]
+            for j in T.Parallel(K):
+                carry[j] += block[j]
+        for i in T.Parallel(C):
+            ok = start + i < end
+            b_i = T.if_then_else(ok, T.cast(beta[start + i, hv], f32), 0.0)
+            if beta_sigmoid:
+                b_i = T.if_then_else(ok, T.sigmoid(b_i) * beta_scale, 0.0)
+            b_s[i] = b_i
+
+    return activate_and_scan

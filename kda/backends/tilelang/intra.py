@@ -1,0 +1,216 @@
+"""Stage 2: everything inside one chunk: the gate, the causal scores, the WY step, and the rows the later
+stages read.
+
+For one chunk of value head ``hv`` (q/k head ``h = hv // group``), with ``G`` and ``beta`` from stage 1 (the
+`gate` macro, expanded first: both stay in shared memory; ``G``'s last row goes out as ``G_last``) and
+``q``, ``k`` l2-normalized on load when the call asks (``x / sqrt(sum x^2 + eps)``, rounded to the inputs'
+dtype as the other backends store it)::
+
+    A_kk[i, j] = beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])           j < i
+    A_qk[i, j] = scale  sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])           j <= i
+    T          = (I + A_kk)^-1                                              unit lower triangular
+    w          = T @ (beta * k * exp(G))          u = T @ (beta * v)
+    q_e        = scale * q * exp(G)               k_g = k * exp(G_last - G)  (every exponent <= 0)
+
+Scores by strips. ``exp(G_i - G_j)`` is never split over the whole chunk (``G`` falls without bound in
+it). For the strip of rows ``I = [a, a + 16)`` and the columns before it the anchor is the strip's first
+row, ``exp(G_i - G_j) = exp(G_i - G_a) exp(G_a - G_j)``, both factors <= 1, and the strip is one matrix
+product over ``K``, taken transposed so that its long side is the chunk: ``[C, K] x [K, 16] -> [C, 16]``,
+a ``wgmma`` of M = C = 64 on one warpgroup (M = 32 at chunk 32 is below wgmma's 64 and becomes
+``mma.sync``). The strip's own 16x16 diagonal block takes the same product when its decay span
+``max |G_i - G_a|`` is at most `span_limit` (then ``exp(G_a - G_j)`` is finite in the operand dtype and
+every kept entry ``i >= j`` is <= 1; the entries above the diagonal are discarded, never multiplied by 0).
+The safe gate (15 steps of at most 5) always qualifies in bf16 (limit 80, e^80 = 5.5e34 < bf16's 3.4e38);
+fp16 (largest 65504) allows a span of 10 for l2-normalized keys (``|k| <= 1``) and none for raw keys, whose
+size nothing bounds. A strip past its limit (an unbounded gate at its extremes)
+computes its diagonal block exactly, element by element, ``exp`` of each ``G_i - G_j <= 0`` in fp32. The
+branch is taken per strip at run time.
+
+The inverse is the Neumann series of the nilpotent ``N = -A_kk`` (``N^C = 0``), summed by doubling::
+
+    T_1 = I + N,  P_1 = N;    P_{m+1} = P_m P_m,  T_{m+1} = T_m + P_{m+1} T_m;    T = T_{log2 C}
+
+``log2(C) - 1`` rounds of two ``[C, C]`` products with fp32 operands (TF32 tensor cores), no serial
+row-by-row substitution. ``w`` and ``u`` are then products of ``T`` (rounded to the inputs' dtype, as
+FLA rounds it) with the scaled keys and values.
+
+Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G``, the
+scores and ``T`` stay fp32 in shared memory. Outputs are chunk-major in the inputs' dtype (inference
+only); rows past the sequence's end load as zeros and store zeros.
+
+Grid ``(NT, HV)``, 128 threads (one warpgroup); ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic.
+"""
+
+# No `from __future__ import annotations` here: TileLang evaluates a kernel's annotations, and they name
+# the builder's locals (the compile-time sizes and the dynamic lengths).
+import functools
+
+import tilelang.language as T
+
+from kda.backends.tilelang import gate
+from kda.reference import L2NORM_EPS
+
+STRIP = 16
+THREADS = 128
+
+
+def span_limit(dtype: str, l2norm: bool) -> float:
+    """The largest strip span whose diagonal block goes by product: ``|k| e^span`` must stay finite in
+    the operand dtype (negative: never)."""
+    if dtype == "bfloat16":
+        return 80.0
+    return 10.0 if l2norm else -1.0
+
+
+@functools.cache
+def build(
+    C: int,
+    K: int,
+    V: int,
+    dtype: str,
+    scale: float,
+    l2norm: bool,
+    gate_mode: int,
+    has_dt_bias: bool,
+    beta_sigmoid: bool,
+    g_dtype: str,
+    beta_dtype: str,
+    lower_bound: float,
+    beta_scale: float,
+):
+    tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
+    H, HV = T.dynamic("H"), T.dynamic("HV")  # head counts: no compile per model either
+    f32 = "float32"
+    group = HV // H
+    rounds = C.bit_length() - 2  # log2(C) - 1
+    limit = span_limit(dtype, l2norm)
+    activate_and_scan = gate.scan(C, K, gate_mode, has_dt_bias, beta_sigmoid, lower_bound, beta_scale)
+    bias_shape = (HV, K) if has_dt_bias else (1,)
+
+    @T.prim_func
+    def intra_kernel(
+        q: T.Tensor((tokens, H, K), dtype),
+        k: T.Tensor((tokens, H, K), dtype),
+        v: T.Tensor((tokens, HV, V), dtype),
+        g: T.Tensor((tokens, HV, K), g_dtype),  # the raw gate input (a log decay when pre-gated)
+        beta: T.Tensor((tokens, HV), beta_dtype),  # as given
+        A_log: T.Tensor((HV,), f32),  # zeros without A_log: exp(0) = 1
+        dt_bias: T.Tensor(bias_shape, f32),
+        chunk_starts: T.Tensor((NT,), "int32"),
+        chunk_seq_ends: T.Tensor((NT,), "int32"),
+        G_last: T.Tensor((NT, HV, K), f32),  # out: the chunk's last row of G, for the state pass
+        q_e: T.Tensor((NT, HV, C, K), dtype),  # out
+        k_g: T.Tensor((NT, HV, C, K), dtype),  # out
+        w: T.Tensor((NT, HV, C, K), dtype),  # out
+        u: T.Tensor((NT, HV, C, V), dtype),  # out
+        A_qk: T.Tensor((NT, HV, C, C), dtype),  # out
+    ):
+        with T.Kernel(NT, HV, threads=THREADS) as (c, hv):
+            h = hv // group
+            start = chunk_starts[c]
+            end = chunk_seq_ends[c]
+            G_s = T.alloc_shared((C, K), f32)
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            b_s = T.alloc_shared((C,), f32)
+            cols = T.alloc_shared((C, K), dtype)  # k_j exp(G_a - G_j): the strip's columns
+            q_r = T.alloc_shared((STRIP, K), dtype)  # q_i exp(G_i - G_a): the strip's rows
+            k_r = T.alloc_shared((STRIP, K), dtype)  # k_i exp(G_i - G_a)
+            Aqk_s = T.alloc_shared((C, C), f32)
+            P_s = T.alloc_shared((C, C), f32)  # N = -A_kk, then its powers
+            T_s = T.alloc_shared((C, C), f32)
+            acc_q = T.alloc_fragment((C, STRIP), f32)
+            acc_k = T.alloc_fragment((C, STRIP), f32)
+            gaps = T.alloc_fragment((STRIP, K), f32)
+            row_span = T.alloc_fragment((STRIP,), f32)
+            span = T.alloc_fragment((1,), f32)
+            acc_cc = T.alloc_fragment((C, C), f32)
+
+            activate_and_scan(g, beta, A_log, dt_bias, hv, start, end, G_s, b_s)
+            for j in T.Parallel(K):
+                G_last[c, hv, j] = G_s[C - 1, j]
+            for i, j in T.Parallel(C, K):
+                ok = start + i < end
+                q_s[i, j] = T.if_then_else(ok, q[start + i, h, j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(ok, k[start + i, h, j], T.cast(0, dtype))
+            if l2norm:
+                squares = T.alloc_fragment((C, K), f32)
+                r_q = T.alloc_fragment((C,), f32)
+                r_k = T.alloc_fragment((C,), f32)
+                for i, j in T.Parallel(C, K):
+                    squares[i, j] = T.cast(q_s[i, j], f32) * T.cast(q_s[i, j], f32)
+                T.reduce_sum(squares, r_q, dim=1)
+                for i, j in T.Parallel(C, K):
+                    squares[i, j] = T.cast(k_s[i, j], f32) * T.cast(k_s[i, j], f32)
+                T.reduce_sum(squares, r_k, dim=1)
+                for i, j in T.Parallel(C, K):
+                    q_s[i, j] = T.cast(T.cast(q_s[i, j], f32) * T.rsqrt(r_q[i] + L2NORM_EPS), dtype)
+                    k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.rsqrt(r_k[i] + L2NORM_EPS), dtype)
+            for i, j in T.Parallel(C, K):
+                q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
+                k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
+
+            for s in T.unroll(C // STRIP):
+                a = s * STRIP
+                for i, j in T.Parallel(STRIP, K):
+                    gaps[i, j] = T.abs(G_s[a + i, j] - G_s[a, j])
+                T.reduce_max(gaps, row_span, dim=1)
+                T.reduce_max(row_span, span, dim=0)
+                for i, j in T.Parallel(STRIP, K):
+                    decay = T.exp(G_s[a + i, j] - G_s[a, j])
+                    q_r[i, j] = T.cast(T.cast(q_s[a + i, j], f32) * decay, dtype)
+                    k_r[i, j] = T.cast(T.cast(k_s[a + i, j], f32) * decay, dtype)
+                for i, j in T.Parallel(C, K):  # the columns before the strip; its own when by product
+                    keep = (start + i < end) & ((i < a) | ((i < a + STRIP) & (span[0] <= limit)))
+                    scaled = T.cast(k_s[i, j], f32) * T.exp(G_s[a, j] - G_s[i, j])
+                    cols[i, j] = T.if_then_else(keep, T.cast(scaled, dtype), T.cast(0, dtype))
+                T.gemm(cols, q_r, acc_q, transpose_B=True, clear_accum=True)  # [C, 16]: column j, strip row i
+                T.gemm(cols, k_r, acc_k, transpose_B=True, clear_accum=True)
+                for j, i in T.Parallel(C, STRIP):
+                    row = a + i
+                    Aqk_s[row, j] = T.if_then_else(j <= row, scale * acc_q[j, i], 0.0)
+                    P_s[row, j] = T.if_then_else(j < row, -b_s[row] * acc_k[j, i], 0.0)
+                if span[0] > limit:  # the diagonal block exactly
+                    for i, jj in T.Parallel(STRIP, STRIP):
+                        row = a + i
+                        col = a + jj
+                        s_q = T.alloc_var(f32)
+                        s_k = T.alloc_var(f32)
+                        s_q = 0.0
+                        s_k = 0.0
+                        for d in T.serial(K):
+                            kd = T.cast(k_s[col, d], f32) * T.if_then_else(
+                                col <= row, T.exp(G_s[row, d] - G_s[col, d]), 0.0
+                            )
+                            s_q += T.cast(q_s[row, d], f32) * kd
+                            s_k += T.cast(k_s[row, d], f32) * kd
+                        Aqk_s[row, col] = T.if_then_else(col <= row, scale * s_q, 0.0)
+                        P_s[row, col] = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
+
+            for i, j in T.Parallel(C, C):
+                A_qk[c, hv, i, j] = T.cast(Aqk_s[i, j], dtype)
+                T_s[i, j] = P_s[i, j] + T.if_then_else(i == j, 1.0, 0.0)
+            for _ in T.serial(rounds):
+                T.gemm(P_s, P_s, acc_cc, clear_accum=True)
+                T.copy(acc_cc, P_s)
+                T.gemm(P_s, T_s, acc_cc, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    T_s[i, j] += acc_cc[i, j]
+
+            T_h = T.alloc_shared((C, C), dtype)
+            k_b = T.alloc_shared((C, K), dtype)  # beta k exp(G)
+            v_b = T.alloc_shared((C, V), dtype)  # beta v
+            acc_w = T.alloc_fragment((C, K), f32)
+            acc_u = T.alloc_fragment((C, V), f32)
+            T.copy(T_s, T_h)
+            for i, j in T.Parallel(C, K):
+                k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
+            for i, j in T.Parallel(C, V):
+                ok = start + i < end
+                v_b[i, j] = T.cast(T.if_then_else(ok, b_s[i] * T.cast(v[start + i, hv, j], f32), 0.0), dtype)
+            T.gemm(T_h, k_b, acc_w, clear_accum=True)
+            T.gemm(T_h, v_b, acc_u, clear_accum=True)
+            T.copy(acc_w, w[c, hv, 0, 0])
+            T.copy(acc_u, u[c, hv, 0, 0])
+
+    return intra_kernel

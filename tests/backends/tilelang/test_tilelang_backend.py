@@ -1,0 +1,186 @@
+"""The tilelang backend without a GPU: every kernel of every shape class it claims lowered to CUDA source for
+Hopper (sm_90a), with the matrix products checked to be tensor-core instructions (``wgmma`` where the tile
+allows it), the shared memory checked against the H200's limit, and, where this machine has nvcc, one
+specialization compiled to machine code. Its numbers are checked on the GPU by `kda.verify --backend
+tilelang`; here the backend must say it cannot run, and why, and decline what it does not cover.
+
+Without tilelang these tests skip.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+from kernel_cases import case_class
+
+import kda
+from kda.spec import GateMode, KDASpec
+from kda.verify.cases import VerificationCase, make_inputs
+
+pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
+
+from kda.backends.tilelang import CHUNKS, HEAD_DIMS, TileLangBackend, forward, runtime
+
+H200_SHARED_MEMORY = 232448  # bytes of dynamic shared memory one block may ask for (227 KB)
+
+
+def spec_of(*, K: int, V: int, T: int = 100, **changes) -> KDASpec:
+    """The spec of a call of `case_class(**changes)` at head dims K, V (CPU tensors: only its shape matters)."""
+    cc = case_class(**{"dtype": "bfloat16", **changes})
+    group = 2 if cc.gva else 1
+    lengths = (T, 0, 7) if cc.varlen else (T,)
+    case = VerificationCase(cc, "realistic", 1, 2, 2 * group, K, V, lengths, cc.dtype, seed=1)
+    kwargs, _ = make_inputs(case, "cpu")
+    return KDASpec.from_call(**kwargs, requires_grad=False)
+
+
+VARIANTS = {
+    "pregated": dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given"),
+    "softplus-sigmoid2-vfirst": dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", state_v_first=True),
+    "sigmoid-varlen-gva-nostate": dict(
+        gate=GateMode.SIGMOID, varlen=True, gva=True, initial_state=False, final_state=False
+    ),
+    "fp16-raw-keys": dict(dtype="float16", qk_l2norm=False, initial_state=False),
+}
+CLAIMED = [(chunk, dim, dtype) for chunk in CHUNKS for dim in HEAD_DIMS for dtype in ("bfloat16", "float16")]
+
+
+def _lower(kernel: forward.Kernel) -> tuple[str, int]:
+    artifact = runtime.lower(kernel.builder(*kernel.params))
+    return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
+
+
+@pytest.fixture(scope="module")
+def lowered() -> dict:
+    """Every kernel of every claimed shape class and of each call variant (K = 128, V = 64), lowered to CUDA
+    source for sm_90a: ``{(what, kernel name): (source, shared memory bytes) or the exception}``. Lowering
+    runs in TVM's C++ passes, outside the GIL, so a thread per core lowers them side by side."""
+    specs: dict = {claim: spec_of(K=claim[1], V=claim[1], chunk_size=claim[0], dtype=claim[2]) for claim in CLAIMED}
+    specs |= {name: spec_of(K=128, V=64, chunk_size=64, **changes) for name, changes in VARIANTS.items()}
+    jobs = {(what, kernel.name): kernel for what, spec in specs.items() for kernel in forward.specializations(spec)}
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        futures = {job: pool.submit(_lower, kernel) for job, kernel in jobs.items()}
+    return {job: future.exception() or future.result() for job, future in futures.items()}
+
+
+def kernels_of(lowered: dict, what) -> dict[str, tuple[str, int]]:
+    found = {name: result for (key, name), result in lowered.items() if key == what}
+    for name, result in found.items():
+        if isinstance(result, BaseException):
+            raise AssertionError(f"{what} {name} did not lower") from result
+    return found
+
+
+def products(source: str) -> set[str]:
+    return set(re.findall(r"wgmma_ss|wgmma_rs|mma_sync", source))
+
+
+@pytest.mark.parametrize("claim", CLAIMED, ids=lambda claim: "-".join(map(str, claim)))
+def test_every_claimed_shape_lowers_to_tensor_core_products(lowered, claim):
+    chunk = claim[0]
+    kernels = kernels_of(lowered, claim)
+    assert set(kernels) == {"intra", "state", "output"}
+    for name, (source, shared) in kernels.items():
+        assert shared <= H200_SHARED_MEMORY, (name, shared)
+        assert "__global__" in source, name
+    # chunk 64 gives the score, state and output products a 64-row side: one warpgroup's wgmma. At chunk 32
+    # the 32-row products are below wgmma's M = 64 and use mma.sync; the state's [K, C] x [C, BV] keeps wgmma.
+    for name in ("intra", "state", "output"):
+        found = products(kernels[name][0])
+        assert found, (name, "no tensor-core product")
+        if chunk == 64 or name == "state":
+            assert "wgmma_ss" in found, (name, found)
+    assert "tma_load" in kernels["state"][0]  # the next chunk's tiles come by the bulk tensor copy engine
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_call_variants_lower(lowered, variant):
+    """The compile-time flags each give kernels that lower: every gate mode, the beta and l2norm options,
+    the state layouts and their absence, GVA, and K != V."""
+    kernels = kernels_of(lowered, variant)
+    assert set(kernels) == {"intra", "state", "output"}
+    assert "wgmma_ss" in products(kernels["intra"][0])
+
+
+def test_sequence_length_batch_and_heads_are_not_compiled_in():
+    """Calls that differ only in length, batch layout or head counts share every kernel specialization."""
+    assert forward.specializations(spec_of(K=64, V=64, T=33)) == forward.specializations(spec_of(K=64, V=64, T=900))
+    assert forward.specializations(spec_of(K=64, V=64)) == forward.specializations(spec_of(K=64, V=64, gva=True))
+    a = forward.specializations(spec_of(K=64, V=64, varlen=True, T=70))
+    b = forward.specializations(spec_of(K=64, V=64, varlen=True, T=400))
+    assert a == b
+
+
+@pytest.mark.skipif(runtime.find_nvcc() is None, reason="no nvcc on this machine")
+def test_one_shape_class_compiles_with_nvcc(lowered, tmp_path):
+    """The CUDA source TileLang lowers for sm_90a builds with this machine's nvcc (chunk 64, K = V = 128)."""
+    import tilelang
+
+    root = os.path.dirname(tilelang.__file__)
+    includes = [f"-I{os.path.join(root, 'src')}", f"-I{os.path.join(root, '3rdparty', 'cutlass', 'include')}"]
+
+    def build(name: str, source: str) -> subprocess.CompletedProcess:
+        path = tmp_path / f"{name}.cu"
+        path.write_text(source)
+        return subprocess.run(
+            [runtime.find_nvcc() or "nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", *includes,
+             "-DENABLE_BF16", "-w", "-c", str(path), "-o", str(tmp_path / f"{name}.o")],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+
+    kernels = kernels_of(lowered, (64, 128, "bfloat16"))
+    with concurrent.futures.ThreadPoolExecutor(len(kernels)) as pool:  # nvcc: a process each
+        done = {name: pool.submit(build, name, source) for name, (source, _) in kernels.items()}
+    for name, future in done.items():
+        assert future.result().returncode == 0, (name, future.result().stderr[-2000:])
+
+
+def test_the_backend_says_why_it_cannot_run_here(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    verdict = TileLangBackend().available()
+    assert not verdict
+    assert "CUDA GPU" in str(verdict) or "nvcc" in str(verdict)
+
+
+def test_a_missing_compiler_is_a_reason(monkeypatch):
+    monkeypatch.setattr(runtime, "find_nvcc", lambda: None)
+    runtime.tilelang_problem.cache_clear()
+    try:
+        verdict = TileLangBackend().available()
+        assert not verdict and "nvcc" in str(verdict)
+    finally:
+        runtime.tilelang_problem.cache_clear()
+
+
+def test_it_declines_what_it_does_not_cover():
+    cc = case_class(dtype="float32", training=True, head_dim=64)
+    case = VerificationCase(cc, "realistic", 1, 1, 1, 96, 64, (40,), "float32", seed=3)
+    kwargs, _ = make_inputs(case, "cpu")
+    verdict = TileLangBackend().supports(KDASpec.from_call(**kwargs, requires_grad=True))
+    text = str(verdict)
+    assert not verdict
+    for reason in ("CUDA GPU", "forward only", "dtype torch.float32", "head dim K=96"):
+        assert reason in text, (reason, text)
+
+
+def test_a_kernel_that_does_not_compile_is_a_no_with_the_reason(monkeypatch):
+    """`supports` compiles before it says yes: a compile failure routes the call elsewhere, never a crash."""
+    spec = spec_of(K=64, V=64)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(type(spec), "device", property(lambda self: torch.device("cuda")))
+
+    def refuse(specializations):
+        raise runtime.CompileFailure(f"{specializations[1][0].__name__}: No valid warp partition for T.gemm")
+
+    monkeypatch.setattr(runtime, "compile_all", refuse)
+    verdict = TileLangBackend().supports(spec)
+    assert not verdict and "No valid warp partition" in str(verdict)
+
+
+def test_the_backend_is_registered():
+    assert "tilelang" in [backend.name for backend in kda.registry.registered_backends()]

@@ -1,0 +1,174 @@
+"""The tilelang forward's roundings, replayed in torch on the CPU, against the float64 reference.
+
+    python benchmarks/tilelang_precision.py [--draws 20] [--dtype bfloat16 float16] [--head-dim 128]
+
+The tilelang backend's numbers are checked on a GPU only. This script answers, without one, whether its
+precision plan fits the tolerances: it computes the forward the way `kda/backends/tilelang` does, chunk by
+chunk, with every rounding the kernels make (score operands and stored intermediates in the inputs'
+dtype, the inverse's products in TF32 with truncated operands, ``T`` rounded before ``w`` and ``u``, the
+state's operand rounded each chunk) and every product otherwise exact in fp32, on the verifier's own
+random inputs (realistic and extreme gates, several chunks and a ragged tail), and prints the relative
+error of ``o`` and of the final state against the float64 reference, beside the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from kda.reference import LOG_DECAY_FLOOR, beta_transform, kda_reference, l2norm, log_decay
+from kda.spec import CaseClass, GateMode
+from kda.verify.cases import VerificationCase, make_inputs
+from kda.verify.check import relative_error
+from kda.verify.policy import tolerance
+
+STRIP = 16
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).float()
+
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 with the low 13 mantissa bits dropped: a tensor core's TF32 operand fed from fp32 registers."""
+    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+
+
+def chunk_rows(x: torch.Tensor, start: int, C: int) -> torch.Tensor:
+    """Rows ``[start, start + C)`` of ``x [T, D]``, zeros past its end."""
+    out = x.new_zeros(C, x.shape[-1])
+    n = min(C, x.shape[0] - start)
+    out[:n] = x[start : start + n]
+    return out
+
+
+def span_limit(dtype: torch.dtype, l2norm_in_kernel: bool) -> float:
+    if dtype == torch.bfloat16:
+        return 80.0
+    return 10.0 if l2norm_in_kernel else -1.0
+
+
+def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """o ``[B, T, H, V]`` and the final state, as the tilelang kernels round them (dense, one head group)."""
+    dtype = kw["q"].dtype
+    q, k, v = kw["q"].float(), kw["k"].float(), kw["v"].float()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if kw.get("use_qk_l2norm_in_kernel", False):
+        q, k = rounded(l2norm(q), dtype), rounded(l2norm(k), dtype)
+    gate = kw.get("use_gate_in_kernel", False)
+    a = log_decay(
+        kw["g"].float(),
+        use_gate_in_kernel=gate,
+        A_log=kw.get("A_log"),
+        dt_bias=kw.get("dt_bias"),
+        lower_bound=kw.get("lower_bound"),
+    ).float()
+    if not kw.get("safe_gate"):
+        a = torch.where(a < LOG_DECAY_FLOOR, torch.full_like(a, LOG_DECAY_FLOOR), a)
+    beta = beta_transform(
+        kw["beta"].float(),
+        sigmoid=kw.get("use_beta_sigmoid_in_kernel", False),
+        allow_neg_eigval=kw.get("allow_neg_eigval", False),
+    )
+    scale = kw["scale"] if kw.get("scale") is not None else K**-0.5
+    limit = span_limit(dtype, kw.get("use_qk_l2norm_in_kernel", False))
+    h0 = kw.get("initial_state")
+    o = torch.zeros(B, T, H, V)
+    final = torch.zeros(B, H, K, V)
+    eye = torch.eye(C)
+    for b in range(B):
+        for hd in range(H):
+            S = h0[b, hd].float().clone() if h0 is not None else torch.zeros(K, V)
+            for start in range(0, T, C):
+                n = min(C, T - start)
+
+                qc, kc, vc, ac = (chunk_rows(x[b, :, hd], start, C) for x in (q, k, v, a))
+                G = torch.cumsum(ac, dim=0)  # rows past the end add 0: G flat there
+                bc = torch.zeros(C)
+                bc[:n] = beta[b, start : start + n, hd]
+                q_e = rounded(scale * qc * G.exp(), dtype)
+                k_g = rounded(kc * (G[-1] - G).exp(), dtype)
+                A_qk = torch.zeros(C, C)
+                P = torch.zeros(C, C)
+                index = torch.arange(C)
+                for s in range(C // STRIP):
+                    a0 = s * STRIP
+                    Gs = G[a0 : a0 + STRIP]
+                    span = (Gs - G[a0]).abs().max().item()
+                    by_product = span <= limit
+                    decay = (Gs - G[a0]).exp()
+                    q_r = rounded(qc[a0 : a0 + STRIP] * decay, dtype)
+                    k_r = rounded(kc[a0 : a0 + STRIP] * decay, dtype)
+                    keep = ((index < a0) | ((index < a0 + STRIP) & by_product)) & (index < n)
+                    cols = torch.where(keep[:, None], rounded(kc * (G[a0] - G).exp(), dtype), 0.0)
+                    acc_q, acc_k = cols @ q_r.T, cols @ k_r.T  # [C, 16]
+                    for i in range(STRIP):
+                        row = a0 + i
+                        A_qk[row] = torch.where(index <= row, scale * acc_q[:, i], 0.0)
+                        P[row] = torch.where(index < row, -bc[row] * acc_k[:, i], 0.0)
+                    if not by_product:
+                        for i in range(STRIP):
+                            row = a0 + i
+                            for jj in range(i + 1):
+                                col = a0 + jj
+                                kd = kc[col] * (G[row] - G[col]).exp()
+                                A_qk[row, col] = scale * (qc[row] * kd).sum()
+                                P[row, col] = -bc[row] * (kc[row] * kd).sum() if col < row else 0.0
+                Tm = P + eye
+                for _ in range(C.bit_length() - 2):
+                    P = tf32(P) @ tf32(P)
+                    Tm = Tm + tf32(P) @ tf32(Tm)
+                T_h = rounded(Tm, dtype)
+                w = rounded(T_h @ rounded(bc[:, None] * kc * G.exp(), dtype), dtype)
+                u = rounded(T_h @ rounded(bc[:, None] * vc, dtype), dtype)
+                A_h = rounded(A_qk, dtype)
+                h_c = rounded(S, dtype)
+                v_new = rounded(u - w @ h_c, dtype)
+                out = rounded(q_e @ h_c + A_h @ v_new, dtype)
+                o[b, start : start + n, hd] = out[:n]
+                S = S * G[-1].exp()[:, None] + k_g.T @ v_new
+            final[b, hd] = S
+    return o, final
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=64)
+    args = parser.parse_args()
+    gates = [(GateMode.SAFE, True), (GateMode.SOFTPLUS, True), (GateMode.PREGATED, False)]
+    for dtype in args.dtype:
+        for gate, l2 in gates:
+            for regime in ("realistic", "extreme"):
+                cc = CaseClass(
+                    gate=gate, qk_l2norm=l2, beta="sigmoid" if gate is not GateMode.PREGATED else "given",
+                    dtype=dtype, varlen=False, gva=False, initial_state=True, final_state=True,
+                    state_v_first=False, chunk_size=args.chunk, head_dim=args.head_dim, training=False,
+                )  # fmt: skip
+                errors: dict[str, list[float]] = {"o": [], "final_state": []}
+                for _ in range(args.draws):
+                    D = args.head_dim
+                    case = VerificationCase(
+                        cc, regime, 1, 2, 2, D, D, (4 * args.chunk + 13,), dtype, seed=random.randrange(2**31)
+                    )
+                    kwargs, _ = make_inputs(case, "cpu")
+                    ref_o, ref_s = kda_reference(**kwargs)[:2]
+                    o, s = chunk_forward(kwargs, args.chunk)
+                    errors["o"].append(relative_error(o, ref_o))
+                    errors["final_state"].append(relative_error(s, ref_s))
+                line = " ".join(
+                    f"{name} median {statistics.median(e):.2e} worst {max(e):.2e} (tol {tolerance(name, dtype):.0e})"
+                    for name, e in errors.items()
+                )
+                print(f"{dtype:9s} {gate.value:9s} l2={int(l2)} {regime:9s} {line}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,7 +3,7 @@
 Every kernel works on the flattened token axis (``B*T`` tokens for a dense batch, ``T`` for varlen). A
 sequence ``n`` spans tokens ``[bounds[n], bounds[n+1])``; its chunks start every ``C`` tokens from
 ``bounds[n]`` and the last one may be partial. Chunks never straddle two sequences. Shared by the backends
-whose kernels walk chunks (triton, helion); plain torch, no kernel code.
+whose kernels walk chunks (triton, helion, tilelang), with the outputs' delivery; plain torch, no kernel code.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kda.backends.base import KDAInputs
+from kda.backends.base import KDAInputs, KDAOutputs
 from kda.errors import KDAInputError
 from kda.spec import KDASpec, cu_seqlens_violation
 
@@ -69,3 +69,28 @@ def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
     if broken is not None:  # the spec could not read a device-resident cu_seqlens without a sync
         raise KDAInputError("cu_seqlens", broken)
     return tuple(bounds)
+
+
+def deliver(
+    o: torch.Tensor, final_state: torch.Tensor | None, out: KDAOutputs | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``o`` and the final state where the caller asked for them: copied into ``out``'s buffers when the
+    kernels could not write there directly (a buffer that is not contiguous), returned as given otherwise."""
+    if out is not None and o is not out.o:
+        out.o.copy_(o)
+        o = out.o
+    given = None if out is None else out.final_state
+    if final_state is not None and given is not None and final_state is not given:
+        given.copy_(final_state)
+        final_state = given
+    return o, final_state
+
+
+def per_chunk_states(h: torch.Tensor, num_chunks: int, B: int, spec: KDASpec) -> torch.Tensor:
+    """``return_intermediate_states``' tensor from the state pass's ``h [NT, HV, K, V]`` (each sequence's
+    chunks in turn): ``[B, NT / B, HV, K, V]``, or ``[..., V, K]`` in the ``state_v_first`` layout, in the
+    call's dtype."""
+    per_chunk = h[:num_chunks].reshape(B, num_chunks // B, *h.shape[1:])
+    if spec.state_v_first:
+        per_chunk = per_chunk.transpose(-1, -2)
+    return per_chunk.to(spec.dtype).contiguous()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import ChunkLayout, chunk_layout, sequence_bounds
+from kda.backends.chunks import ChunkLayout, chunk_layout, deliver, per_chunk_states, sequence_bounds
 from kda.backends.helion import gate, normalize, output, runtime, scores, solve, state
 from kda.backends.helion.configs import ShapeKey
 from kda.spec import GateMode, KDASpec
@@ -167,18 +167,8 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     if layout.num_chunks > 0:
         run(output.output_kernel, q_e, h, A_qk, u, layout.chunk_starts, layout.chunk_seq_ends, o.view(tokens, HV, V), C)
 
-    if out is not None and o is not out.o:
-        out.o.copy_(o)
-        o = out.o
-    if ht is not None and out is not None and out.final_state is not None and ht is not out.final_state:
-        out.final_state.copy_(ht)
-        ht = out.final_state
-    per_chunk = None
-    if spec.return_intermediate_states:  # h is [NT, HV, K, V], the chunks of each sequence in turn
-        per_chunk = h[: layout.num_chunks].reshape(B, layout.num_chunks // B, HV, K, V)
-        if spec.state_v_first:
-            per_chunk = per_chunk.transpose(-1, -2)
-        per_chunk = per_chunk.to(spec.dtype).contiguous()
+    o, ht = deliver(o, ht, out)
+    per_chunk = per_chunk_states(h, layout.num_chunks, B, spec) if spec.return_intermediate_states else None
     saved = None
     if spec.requires_grad:
         saved = dict(

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import chunk_layout, sequence_bounds
+from kda.backends.chunks import chunk_layout, deliver, per_chunk_states, sequence_bounds
 from kda.backends.tilelang import gate, intra, output, runtime, state
 from kda.spec import GateMode, KDASpec
 
@@ -118,16 +118,6 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     if layout.num_chunks > 0:
         kernels["output"](q_e, h, A_qk, u, layout.chunk_starts, layout.chunk_seq_ends, o.view(tokens, HV, V))
 
-    if out is not None and o is not out.o:
-        out.o.copy_(o)
-        o = out.o
-    if ht is not None and out is not None and out.final_state is not None and ht is not out.final_state:
-        out.final_state.copy_(ht)
-        ht = out.final_state
-    per_chunk = None
-    if spec.return_intermediate_states:  # h is [NT, HV, K, V], the chunks of each sequence in turn
-        per_chunk = h[: layout.num_chunks].reshape(B, layout.num_chunks // B, HV, K, V)
-        if spec.state_v_first:
-            per_chunk = per_chunk.transpose(-1, -2)
-        per_chunk = per_chunk.to(spec.dtype).contiguous()
+    o, ht = deliver(o, ht, out)
+    per_chunk = per_chunk_states(h, layout.num_chunks, B, spec) if spec.return_intermediate_states else None
     return ForwardResult(o, ht, None, per_chunk)

@@ -15,7 +15,11 @@ for the state pass.
 
 The floor (`kda.reference.LOG_DECAY_FLOOR`; not on the safe gate, which stays above -5) keeps a NaN a NaN:
 it is a comparison that keeps ``a`` unless ``a < floor`` (CUDA's ``max`` returns the other operand of a NaN).
-Each thread owns one key column and walks the chunk's rows in order; the sum runs 16 rows at a time, each
+
+Two passes. The activation is elementwise, so it runs in parallel over the whole ``[C, K]`` tile, every row's
+load in flight at once, into ``G_s``. The sum then runs down each key column in shared memory: each thread
+owns one column and walks the chunk's rows in order (a walk that loaded each row from global memory in turn
+waited out one memory latency per row). The sum runs 16 rows at a time, each
 block's running sum added to the carry from the blocks before, so only the carry rounds at the magnitude of
 ``G`` (a single running sum would round there at every row; ``dA_log`` of saturated softplus gates showed
 the difference in the other backends). Rows past the sequence's end hold ``G`` flat at the last token's
@@ -32,35 +36,52 @@ PREGATED, SOFTPLUS, SIGMOID, SAFE = 0, 1, 2, 3  # values of `gate`
 ROWS = 16  # rows per summation block
 
 
-def scan(C: int, K: int, gate: int, has_dt_bias: bool, beta_sigmoid: bool, lower_bound: float, beta_scale: float):
+def scan(
+    C: int,
+    K: int,
+    threads: int,
+    gate: int,
+    has_dt_bias: bool,
+    beta_sigmoid: bool,
+    lower_bound: float,
+    beta_scale: float,
+):
     """The macro filling ``G_s [C, K]`` and ``b_s [C]`` (fp32, shared) for chunk ``c`` of head ``hv``."""
     f32 = "float32"
 
     @T.macro
     def activate_and_scan(g, beta, A_log, dt_bias, hv, start, end, G_s, b_s):
         A = T.exp(A_log[hv])  # the host passes zeros without A_log
-        carry = T.alloc_fragment((K,), f32)  # G at the row before the block
-        block = T.alloc_fragment((K,), f32)  # the running sum inside the block
-        T.fill(carry, 0.0)
-        for b in T.serial(C // ROWS):
-            T.fill(block, 0.0)
-            for r in T.serial(ROWS):
-                for j in T.Parallel(K):
-                    t = start + b * ROWS + r
-                    x = T.if_then_else(t < end, T.cast(g[t, hv, j], f32), 0.0)
-                    if gate != PREGATED:
-                        if has_dt_bias:
-                            x = x + dt_bias[hv, j]
-                        if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
-                            x = -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
-                        else:
-                            x = lower_bound * T.sigmoid(A * x)
-                    if gate != SAFE:
-                        x = T.if_then_else(x < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, x)
-                    block[j] += T.if_then_else(t < end, x, 0.0)
-                    G_s[b * ROWS + r, j] = carry[j] + block[j]
-            for j in T.Parallel(K):
-                carry[j] += block[j]
+        # the activation, in parallel over the chunk (every row's loads in flight at once): G_s holds a_t
+        for i, j in T.Parallel(C, K):
+            t = start + i
+            x = T.if_then_else(t < end, T.cast(g[t, hv, j], f32), 0.0)
+            if gate != PREGATED:
+                if has_dt_bias:
+                    x = x + dt_bias[hv, j]
+                if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
+                    x = -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
+                else:
+                    x = lower_bound * T.sigmoid(A * x)
+            if gate != SAFE:
+                x = T.if_then_else(x < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, x)
+            G_s[i, j] = T.if_then_else(t < end, x, 0.0)
+        # the sum down each key column, in place in shared memory, ROWS rows a block. Each column belongs to
+        # exactly one thread, named by its index: a parallel loop over K < threads gave a column to two
+        # threads, and a column's read-modify-write then raced with itself
+        thread = T.get_thread_binding()
+        carry = T.alloc_local((1,), f32)  # G at the row before the block
+        block = T.alloc_local((1,), f32)  # the running sum inside the block
+        for turn in T.serial((K + threads - 1) // threads):
+            col = thread + turn * threads
+            if col < K:
+                carry[0] = 0.0
+                for b in T.serial(C // ROWS):
+                    block[0] = 0.0
+                    for r in T.unroll(ROWS):
+                        block[0] += G_s[b * ROWS + r, col]
+                        G_s[b * ROWS + r, col] = carry[0] + block[0]
+                    carry[0] += block[0]
         for i in T.Parallel(C):
             ok = start + i < end
             b_i = T.if_then_else(ok, T.cast(beta[start + i, hv], f32), 0.0)

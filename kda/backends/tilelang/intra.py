@@ -38,6 +38,11 @@ Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 ac
 scores and ``T`` stay fp32 in shared memory. Outputs are chunk-major in the inputs' dtype (inference
 only); rows past the sequence's end load as zeros and store zeros.
 
+Shared memory is what decides how many chunks an SM works on at once: at C = 64, K = V = 128 the kernel
+asks for 110080 bytes (188 registers a thread), so two blocks share an H200 SM (228 KB, 1 KB reserved a
+block). For that, ``A_qk`` leaves a strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and
+the last Neumann round rounds ``T`` straight from its registers into the operand of ``w`` and ``u``.
+
 Grid ``(NT, HV)``, 128 threads (one warpgroup); ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic.
 """
 
@@ -84,7 +89,7 @@ def build(
     group = HV // H
     rounds = C.bit_length() - 2  # log2(C) - 1
     limit = span_limit(dtype, l2norm)
-    activate_and_scan = gate.scan(C, K, gate_mode, has_dt_bias, beta_sigmoid, lower_bound, beta_scale)
+    activate_and_scan = gate.scan(C, K, THREADS, gate_mode, has_dt_bias, beta_sigmoid, lower_bound, beta_scale)
     bias_shape = (HV, K) if has_dt_bias else (1,)
 
     @T.prim_func
@@ -116,7 +121,7 @@ def build(
             cols = T.alloc_shared((C, K), dtype)  # k_j exp(G_a - G_j): the strip's columns
             q_r = T.alloc_shared((STRIP, K), dtype)  # q_i exp(G_i - G_a): the strip's rows
             k_r = T.alloc_shared((STRIP, K), dtype)  # k_i exp(G_i - G_a)
-            Aqk_s = T.alloc_shared((C, C), f32)
+            Aqk_s = T.alloc_shared((STRIP, C), dtype)  # the strip's rows of A_qk, stored after each strip
             P_s = T.alloc_shared((C, C), f32)  # N = -A_kk, then its powers
             T_s = T.alloc_shared((C, C), f32)
             acc_q = T.alloc_fragment((C, STRIP), f32)
@@ -125,6 +130,7 @@ def build(
             row_span = T.alloc_fragment((STRIP,), f32)
             span = T.alloc_fragment((1,), f32)
             acc_cc = T.alloc_fragment((C, C), f32)
+            acc_T = T.alloc_fragment((C, C), f32)
 
             activate_and_scan(g, beta, A_log, dt_bias, hv, start, end, G_s, b_s)
             for j in T.Parallel(K):
@@ -137,15 +143,22 @@ def build(
                 squares = T.alloc_fragment((C, K), f32)
                 r_q = T.alloc_fragment((C,), f32)
                 r_k = T.alloc_fragment((C,), f32)
+                # the reciprocal norms go through shared memory: a loop that read them from the reduction's
+                # fragment took that fragment's layout, one row to 16 threads, and ran on 8 threads of 128
+                n_q = T.alloc_shared((C,), f32)
+                n_k = T.alloc_shared((C,), f32)
                 for i, j in T.Parallel(C, K):
                     squares[i, j] = T.cast(q_s[i, j], f32) * T.cast(q_s[i, j], f32)
                 T.reduce_sum(squares, r_q, dim=1)
                 for i, j in T.Parallel(C, K):
                     squares[i, j] = T.cast(k_s[i, j], f32) * T.cast(k_s[i, j], f32)
                 T.reduce_sum(squares, r_k, dim=1)
+                for i in T.Parallel(C):
+                    n_q[i] = T.rsqrt(r_q[i] + L2NORM_EPS)
+                    n_k[i] = T.rsqrt(r_k[i] + L2NORM_EPS)
                 for i, j in T.Parallel(C, K):
-                    q_s[i, j] = T.cast(T.cast(q_s[i, j], f32) * T.rsqrt(r_q[i] + L2NORM_EPS), dtype)
-                    k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.rsqrt(r_k[i] + L2NORM_EPS), dtype)
+                    q_s[i, j] = T.cast(T.cast(q_s[i, j], f32) * n_q[i], dtype)
+                    k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * n_k[i], dtype)
             for i, j in T.Parallel(C, K):
                 q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
                 k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
@@ -168,7 +181,7 @@ def build(
                 T.gemm(cols, k_r, acc_k, transpose_B=True, clear_accum=True)
                 for j, i in T.Parallel(C, STRIP):
                     row = a + i
-                    Aqk_s[row, j] = T.if_then_else(j <= row, scale * acc_q[j, i], 0.0)
+                    Aqk_s[i, j] = T.cast(T.if_then_else(j <= row, scale * acc_q[j, i], 0.0), dtype)
                     P_s[row, j] = T.if_then_else(j < row, -b_s[row] * acc_k[j, i], 0.0)
                 if span[0] > limit:  # the diagonal block exactly
                     for i, jj in T.Parallel(STRIP, STRIP):
@@ -184,25 +197,27 @@ def build(
                             )
                             s_q += T.cast(q_s[row, d], f32) * kd
                             s_k += T.cast(k_s[row, d], f32) * kd
-                        Aqk_s[row, col] = T.if_then_else(col <= row, scale * s_q, 0.0)
+                        Aqk_s[i, col] = T.cast(T.if_then_else(col <= row, scale * s_q, 0.0), dtype)
                         P_s[row, col] = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
 
+                T.copy(Aqk_s, A_qk[c, hv, a, 0])
+
             for i, j in T.Parallel(C, C):
-                A_qk[c, hv, i, j] = T.cast(Aqk_s[i, j], dtype)
                 T_s[i, j] = P_s[i, j] + T.if_then_else(i == j, 1.0, 0.0)
-            for _ in T.serial(rounds):
+            T.copy(T_s, acc_T)
+            T_h = T.alloc_shared((C, C), dtype)  # T in the inputs' dtype, the operand of w and u
+            for m in T.serial(rounds):
                 T.gemm(P_s, P_s, acc_cc, clear_accum=True)
                 T.copy(acc_cc, P_s)
-                T.gemm(P_s, T_s, acc_cc, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    T_s[i, j] += acc_cc[i, j]
+                T.gemm(P_s, T_s, acc_T)  # T + P T, accumulated onto T in registers
+                if m < rounds - 1:
+                    T.copy(acc_T, T_s)
+            T.copy(acc_T, T_h)
 
-            T_h = T.alloc_shared((C, C), dtype)
             k_b = T.alloc_shared((C, K), dtype)  # beta k exp(G)
             v_b = T.alloc_shared((C, V), dtype)  # beta v
             acc_w = T.alloc_fragment((C, K), f32)
             acc_u = T.alloc_fragment((C, V), f32)
-            T.copy(T_s, T_h)
             for i, j in T.Parallel(C, K):
                 k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
             for i, j in T.Parallel(C, V):

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import chunk_layout, sequence_bounds
+from kda.backends.chunks import chunk_layout, deliver, per_chunk_states, sequence_bounds
 from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SIGMOID, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
@@ -203,20 +203,8 @@ def plan_forward(
         stages.append(("output", output_stage))
 
     def finish() -> ForwardResult:
-        result_o, result_ht = o, ht
-        if out is not None and result_o is not out.o:
-            out.o.copy_(result_o)
-            result_o = out.o
-        given = None if out is None else out.final_state
-        if result_ht is not None and given is not None and result_ht is not given:
-            given.copy_(result_ht)
-            result_ht = given
-        per_chunk = None
-        if spec.return_intermediate_states:  # h is [NT, HV, K, V], the chunks of each sequence in turn
-            per_chunk = h[:NT].reshape(B, NT // B, HV, K, V)
-            if spec.state_v_first:
-                per_chunk = per_chunk.transpose(-1, -2)
-            per_chunk = per_chunk.to(spec.dtype).contiguous()
+        result_o, result_ht = deliver(o, ht, out)
+        per_chunk = per_chunk_states(h, NT, B, spec) if spec.return_intermediate_states else None
         saved = None
         if save:
             saved = {

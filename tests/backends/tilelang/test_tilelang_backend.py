@@ -98,6 +98,33 @@ def test_every_claimed_shape_lowers_to_tensor_core_products(lowered, claim):
     assert "tma_load" in kernels["state"][0]  # the next chunk's tiles come by the bulk tensor copy engine
 
 
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+def test_the_gate_sum_gives_each_key_column_one_thread(lowered, dim):
+    """The gate's cumulative sum runs in place down each key column of G in shared memory, so a column must
+    belong to exactly one thread. A parallel loop over K < 128 threads gave each column to two threads
+    (its index was ``threadIdx.x & 63`` at K = 64), whose reads and writes raced: on the H200 that put
+    ``o`` 4 to 75 times past the tolerance in half the K = 64 classes."""
+    from kda.backends.tilelang.intra import THREADS
+
+    source = kernels_of(lowered, (64, dim, "bfloat16"))["intra"][0]
+    lines = source.splitlines()
+    stores = [n for n, line in enumerate(lines) if "= (carry[0] + block[0]);" in line]
+    assert stores, "the gate's in-place sum was not found in the lowered source"
+    for n in stores:
+        assert "threadIdx.x) &" not in lines[n], lines[n].strip()  # no column shared by two threads
+    if dim < THREADS:  # the threads past the last column sit the sum out
+        guards = [line for line in lines[: stores[0]] if line.strip().startswith("if (")]
+        assert guards and f"threadIdx.x) < {dim})" in guards[-1], guards[-1:]
+
+
+def test_intra_fits_two_blocks_an_sm_at_head_dim_128(lowered):
+    """The design's occupancy: at chunk 64 and K = V = 128 two `intra` blocks share an H200 SM (233472 bytes
+    of shared memory an SM, 1 KB of it reserved per block): `intra` is bound by latency, not bytes, and
+    needs the second block's warps (docs/design.md, "The tilelang backend")."""
+    shared = kernels_of(lowered, (64, 128, "bfloat16"))["intra"][1]
+    assert 2 * (shared + 1024) <= 233472, shared
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_call_variants_lower(lowered, variant):
     """The compile-time flags each give kernels that lower: every gate mode, the beta and l2norm options,

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/device/measure.sh TARGET [TARGET ...]
 #
-# Targets (each writes $OUT/<target>/ and the machine's versions to $OUT/env.txt):
+# Targets (each writes $OUT/<target>/ and the machine's versions to $OUT/env.txt, packed at the end):
 #   verify       python -m kda.verify --all --with-bench-classes over VERIFY_JOBS processes -> verify.json
 #                (VERIFY_BACKENDS narrows it to those backends, VERIFY_CASES_FILE to the case-class keys in
 #                that file; VERIFY_NAME names the output folder, default verify; at most VERIFY_S seconds of
@@ -42,7 +42,8 @@
 #                results are kept in state.tgz, the timings thrown away. Give it first: `tune-fla verify`
 #
 # Every step runs under one deadline (DEADLINE_S, default 560 s: the device tool stops a command at 600 s),
-# so what finished comes back. Triton's autotune results (FLA tunes for minutes at each new shape) and
+# so what finished comes back. At the end every output but state.tgz is packed into $OUT/outputs.tgz (the
+# device tool brings back at most 8 files; `tar xzf outputs.tgz` gives the <target>/ folders and env.txt). Triton's autotune results (FLA tunes for minutes at each new shape) and
 # kda's records and timing table are packed into $OUT/state.tgz: keep it as .device/state.tgz and the
 # next run starts from it. Curate the output into a snapshot with benchmarks/snapshot.py.
 set -uo pipefail
@@ -196,4 +197,6 @@ done
 [ -n "${TUNING:-}" ] && { wait "$TUNING"; echo "tune-fla: exit $?"; tail -n 3 "$OUT/tune-fla/log.txt"; }
 (cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list 2>/dev/null
  tar czf "$OUT/state.tgz" kda-cache -T /tmp/autotune.list 2>/dev/null)
+(cd "$OUT" && tar czf /tmp/outputs.tgz --exclude=./state.tgz . && find . -type f ! -name state.tgz -delete \
+ && find . -mindepth 1 -type d -empty -delete && mv /tmp/outputs.tgz outputs.tgz)
 ls -la "$OUT"

@@ -71,6 +71,22 @@ def sequence_bounds(inputs: KDAInputs, spec: KDASpec) -> tuple[int, ...]:
     return tuple(bounds)
 
 
+def output_buffers(spec: KDASpec, out: KDAOutputs | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where the kernels write ``o [B, T, HV, V]`` (the call's dtype) and the final state (fp32, None when
+    not asked for): the caller's ``out`` buffers when contiguous, new tensors otherwise (`deliver` then
+    copies into the caller's)."""
+    if out is not None and out.o.is_contiguous():
+        o = out.o
+    else:
+        o = torch.empty(spec.B, spec.T, spec.HV, spec.V, dtype=spec.dtype, device=spec.device)
+    final_state = None
+    if spec.output_final_state:
+        given = None if out is None else out.final_state
+        reuse = given is not None and given.is_contiguous()
+        final_state = given if reuse else torch.empty(spec.state_shape, dtype=torch.float32, device=spec.device)
+    return o, final_state
+
+
 def deliver(
     o: torch.Tensor, final_state: torch.Tensor | None, out: KDAOutputs | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

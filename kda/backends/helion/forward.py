@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import ChunkLayout, chunk_layout, deliver, per_chunk_states, sequence_bounds
+from kda.backends.chunks import ChunkLayout, chunk_layout, deliver, output_buffers, per_chunk_states, sequence_bounds
 from kda.backends.helion import gate, normalize, output, runtime, scores, solve, state
 from kda.backends.helion.configs import ShapeKey
 from kda.spec import GateMode, KDASpec
@@ -102,19 +102,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     k_g = torch.empty(NT, HV, C, K, dtype=store, device=device)
     u = torch.empty(NT, HV, C, V, dtype=store, device=device)  # u, then v_new (the state pass writes over it)
     h = torch.empty(NT, HV, K, V, dtype=store, device=device)
-    o = (
-        out.o
-        if out is not None and out.o.is_contiguous()
-        else torch.empty(B, T, HV, V, dtype=spec.dtype, device=device)
-    )
-    ht = None
-    if spec.output_final_state:
-        given = None if out is None else out.final_state
-        ht = (
-            given
-            if given is not None and given.is_contiguous()
-            else torch.empty(spec.state_shape, dtype=f32, device=device)
-        )
+    o, ht = output_buffers(spec, out)
     h0 = inputs.initial_state
     placeholder = G
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import chunk_layout, deliver, per_chunk_states, sequence_bounds
+from kda.backends.chunks import chunk_layout, deliver, output_buffers, per_chunk_states, sequence_bounds
 from kda.backends.tilelang import gate, intra, output, runtime, state
 from kda.spec import GateMode, KDASpec
 
@@ -87,16 +87,8 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     u = torch.empty(NT, HV, C, V, dtype=dtype, device=device)  # u, then v_new (the state pass writes over it)
     A_qk = torch.empty(NT, HV, C, C, dtype=dtype, device=device)
     h = torch.empty(NT, HV, K, V, dtype=dtype, device=device)
-    o = out.o if out is not None and out.o.is_contiguous() else torch.empty(B, T, HV, V, dtype=dtype, device=device)
+    o, ht = output_buffers(spec, out)
     placeholder = torch.zeros(1, dtype=f32, device=device)
-    ht = None
-    if spec.output_final_state:
-        given = None if out is None else out.final_state
-        ht = (
-            given
-            if given is not None and given.is_contiguous()
-            else torch.empty(spec.state_shape, dtype=f32, device=device)
-        )
     h0 = inputs.initial_state.contiguous() if inputs.initial_state is not None else None
 
     if layout.num_chunks > 0:

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from kda.backends.base import ForwardResult, KDAInputs, KDAOutputs
-from kda.backends.chunks import chunk_layout, deliver, per_chunk_states, sequence_bounds
+from kda.backends.chunks import chunk_layout, deliver, output_buffers, per_chunk_states, sequence_bounds
 from kda.backends.triton.configs import intra_block_k, intra_block_w, launch_config
 from kda.backends.triton.gate import PREGATED, SAFE, SIGMOID, SOFTPLUS, gate_cumsum_kernel
 from kda.backends.triton.intra import SUB_CHUNK, intra_chunk_kernel
@@ -68,16 +68,7 @@ def plan_forward(
     ROUND = interpreting()  # bf16 stores round by hand under the interpreter (see `storage`)
     save = spec.requires_grad  # training keeps M (A_kk without beta) and T (written over A_kk) for the backward
     M = torch.empty_like(A_kk) if save else None
-    o = (
-        out.o
-        if out is not None and out.o.is_contiguous()
-        else torch.empty(B, T, HV, V, dtype=spec.dtype, device=device)
-    )
-    ht = None
-    if spec.output_final_state:
-        given_ht = None if out is None else out.final_state
-        reuse = given_ht is not None and given_ht.is_contiguous()
-        ht = given_ht if reuse else torch.empty(spec.state_shape, dtype=f32, device=device)
+    o, ht = output_buffers(spec, out)
     h0 = None if inputs.initial_state is None else inputs.initial_state.contiguous()
     gate = {GateMode.PREGATED: PREGATED, GateMode.SOFTPLUS: SOFTPLUS, GateMode.SIGMOID: SIGMOID, GateMode.SAFE: SAFE}[
         spec.gate_mode

@@ -67,6 +67,11 @@ def decode_call(
         call["num_accepted_tokens"] = accepted
         drop = torch.rand(N, width, generator=gen) < 0.3
         drop[torch.arange(N), accepted - 1] = False
+        # one token's state is always written somewhere: with every written slot dropped (about 1% of draws),
+        # a test of the pool would check nothing
+        writer = next((n for n, length in enumerate(lengths) if length > 0 and n != padding), None)
+        if writer is not None:
+            drop[writer, 0] = False
         table = torch.where(drop, -1, table)
     if padding is not None:
         table[padding] = -1

@@ -43,7 +43,8 @@
 #
 # Every step runs under one deadline (DEADLINE_S, default 560 s: the device tool stops a command at 600 s),
 # so what finished comes back. At the end every output but state.tgz is packed into $OUT/outputs.tgz (the
-# device tool brings back at most 8 files; `tar xzf outputs.tgz` gives the <target>/ folders and env.txt). Triton's autotune results (FLA tunes for minutes at each new shape) and
+# device tool brings back at most 8 files; `tar xzf outputs.tgz` gives the <target>/ folders and env.txt).
+# Triton's autotune results (FLA tunes for minutes at each new shape) and
 # kda's records and timing table are packed into $OUT/state.tgz: keep it as .device/state.tgz and the
 # next run starts from it. Curate the output into a snapshot with benchmarks/snapshot.py.
 set -uo pipefail

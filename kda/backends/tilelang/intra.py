@@ -34,9 +34,10 @@ The inverse is the Neumann series of the nilpotent ``N = -A_kk`` (``N^C = 0``), 
 row-by-row substitution. ``w`` and ``u`` are then products of ``T`` (rounded to the inputs' dtype, as
 FLA rounds it) with the scaled keys and values.
 
-Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G``, the
-scores and ``T`` stay fp32 in shared memory. Outputs are chunk-major in the inputs' dtype (inference
-only); rows past the sequence's end load as zeros and store zeros.
+Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G``,
+``A_kk`` and ``T`` stay fp32 in shared memory (``A_qk`` is rounded once, a strip at a time). Outputs are
+chunk-major in the inputs' dtype (inference only); rows past the sequence's end load as zeros and store
+zeros.
 
 Shared memory is what decides how many chunks an SM works on at once: at C = 64, K = V = 128 the kernel
 asks for 110080 bytes (188 registers a thread), so two blocks share an H200 SM (228 KB, 1 KB reserved a

@@ -10,7 +10,8 @@
 #                the deadline when set); the workers' part-N.json and logs come back as <name>/workers.tgz,
 #                so a cut run keeps its classes
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
-#                FlashKDA called directly beside kda's backends and auto, with --tune
+#                FlashKDA called directly beside kda's backends and auto, with --tune (BENCH_BACKENDS narrows
+#                the backends, e.g. "baseline:fla baseline:flashkda tilelang"; a shape takes minutes with all)
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
 #   decode       the decode op (`--mode decode`) at DECODE_SHAPES (default: its 12 shapes), FLA's
 #                fused_recurrent_kda_fwd beside kda's backends and auto, against the copy bandwidth, with --tune
@@ -34,6 +35,10 @@
 #                its compiled kernels are not kept in state.tgz: with them it passed the 16 MiB a file comes back at)
 #   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang forward's time and bytes per kernel at
 #                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128), fwd and fwd_pregated
+#   tilelang-ncu Nsight Compute (--set full) on NCU_LAUNCHES (default 1) launches of the tilelang kernels matching
+#                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) -> kernels.ncu-rep, details.txt
+#                (every section as text), sass.csv (stall samples per instruction) and phases.txt (those samples
+#                between barriers: benchmarks/ncu_phases.py); the counters need a Firecracker machine
 #   tune-helion  `kda.bench --tune-kernels helion` at SHAPES (fwd and train_safe) within HELION_TUNE_S seconds
 #                (default 200) -> tune-helion/tuned_sm90.json, which the targets after it in the same run use
 #                (KDA_HELION_CONFIGS); copy it over kda/backends/helion/tuned_sm90.json to ship it
@@ -56,6 +61,7 @@ OUT=${OUT:-/tmp/kda-out}
 DENSE="B1_T8192_H96_D128 B2_T16384_H16_D128 B4_T2048_H16_D128 B4_T4096_H64_D128 B8_T2048_H32_D256 B8_T1024_H8_D64"
 SHAPES=${SHAPES:-$DENSE}
 SWEEP_SHAPE=${SWEEP_SHAPE:-B1_T8192_H96_D128}
+ALL_BACKENDS="baseline:fla baseline:flashkda triton helion tilelang flashkda fla auto"
 
 source .device/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache
@@ -105,10 +111,8 @@ for target in "$@"; do
     ;;
   bench)
     # shellcheck disable=SC2046
-    bench bench 20 --tune --backend baseline:fla --backend baseline:flashkda --backend triton --backend helion \
-      --backend tilelang --backend flashkda \
-      --backend fla --backend auto $(for m in ${MODES:-fwd}; do printf -- '--mode %s ' "$m"; done) \
-      --cold-start "${COLD:-first}" $(shape_args $SHAPES)
+    bench bench 20 --tune $(printf -- '--backend %s ' ${BENCH_BACKENDS:-$ALL_BACKENDS}) \
+      $(for m in ${MODES:-fwd}; do printf -- '--mode %s ' "$m"; done) --cold-start "${COLD:-first}" $(shape_args $SHAPES)
     ;;
   train-bench)
     # shellcheck disable=SC2046
@@ -182,6 +186,27 @@ for target in "$@"; do
       ${STAGE_SHAPES:-B1_T8192_H96_D128 B4_T2048_H16_D128} > "$OUT/tilelang-stages/kernels.txt" 2>&1
     echo "tilelang-stages: exit $?"; grep -v -i warn "$OUT/tilelang-stages/kernels.txt" | tail -30
     ;;
+  tilelang-ncu)
+    # Nsight Compute on one launch of each tilelang kernel at NCU_SHAPE (it reads the counters on a Firecracker
+    # machine, not on gVisor): every section, and the SASS with its stall samples per instruction
+    mkdir -p "$OUT/tilelang-ncu"
+    if command -v ncu > /dev/null; then
+      KDA_VERIFY=off timeout "$(left 20)" ncu --clock-control none --set full --kernel-name regex:"${NCU_KERNELS:-intra}" \
+        --launch-count "${NCU_LAUNCHES:-1}" -f -o "$OUT/tilelang-ncu/kernels" python3 benchmarks/tilelang_stages.py \
+        --mode fwd --steps 1 "${NCU_SHAPE:-B1_T8192_H96_D128}" > "$OUT/tilelang-ncu/log.txt" 2>&1
+      echo "tilelang-ncu: exit $?"; tail -n 5 "$OUT/tilelang-ncu/log.txt"
+      if [ -f "$OUT/tilelang-ncu/kernels.ncu-rep" ]; then
+        ncu -i "$OUT/tilelang-ncu/kernels.ncu-rep" --print-details all > "$OUT/tilelang-ncu/details.txt" 2>&1
+        ncu -i "$OUT/tilelang-ncu/kernels.ncu-rep" --page source --print-source sass --csv \
+          > "$OUT/tilelang-ncu/sass.csv" 2>&1
+        python3 benchmarks/ncu_phases.py "$OUT/tilelang-ncu/sass.csv" > "$OUT/tilelang-ncu/phases.txt" 2>&1
+        grep -E "Duration|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Issue Slots Busy" \
+          "$OUT/tilelang-ncu/details.txt" | head -8; cat "$OUT/tilelang-ncu/phases.txt"
+      fi
+    else
+      echo "tilelang-ncu: no ncu on this machine"
+    fi
+    ;;
   tests)
     mkdir -p "$OUT/tests"
     # shellcheck disable=SC2086
@@ -189,7 +214,7 @@ for target in "$@"; do
     grep -E "^(FAILED|ERROR)" "$OUT/tests/pytest.txt" | head -30; tail -n 15 "$OUT/tests/pytest.txt"
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tilelang-compile, tilelang-stages, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
     exit 2
     ;;
   esac

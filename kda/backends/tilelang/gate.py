@@ -8,16 +8,17 @@ Per value head ``hv`` and chunk, with ``x = g + dt_bias[hv]`` and ``A = exp(A_lo
     G_t = sum_{s <= t, s in chunk} max(a_s, LOG_DECAY_FLOOR)          fp32, non-increasing in t
     beta_t = beta_t, sigmoid(beta_t) or 2 sigmoid(beta_t)              fp32
 
-A TileLang macro, expanded at the start of the `intra` kernel: ``G`` and ``beta`` go to its shared memory
-and never to global memory (as a kernel of its own, writing ``G [NT, HV, C, K]`` in fp32 and reading it back
+Expanded at the start of the `intra` kernel: ``G`` and ``beta`` go to its shared memory and never to
+global memory (as a kernel of its own, writing ``G [NT, HV, C, K]`` in fp32 and reading it back
 moved 64 KB per chunk and head at K = 128, a quarter of the forward's bytes). Only ``G``'s last row leaves,
 for the state pass.
 
 The floor (`kda.reference.LOG_DECAY_FLOOR`; not on the safe gate, which stays above -5) keeps a NaN a NaN:
 it is a comparison that keeps ``a`` unless ``a < floor`` (CUDA's ``max`` returns the other operand of a NaN).
 
-Two passes. The activation is elementwise, so it runs in parallel over the whole ``[C, K]`` tile, every row's
-load in flight at once, into ``G_s``. The sum then runs down each key column in shared memory: each thread
+Two passes. The activation (`activation`) is elementwise, so it runs in parallel over the whole ``[C, K]``
+tile, in the loop that loads the chunk's ``q``, ``k`` and ``v`` too (every load of the block in flight at
+once), into ``G_s``. The sum (`scan`) then runs down each key column in shared memory: each thread
 owns one column and walks the chunk's rows in order (a walk that loaded each row from global memory in turn
 waited out one memory latency per row). The sum runs 16 rows at a time, each
 block's running sum added to the carry from the blocks before, so only the carry rounds at the magnitude of
@@ -36,36 +37,29 @@ PREGATED, SOFTPLUS, SIGMOID, SAFE = 0, 1, 2, 3  # values of `gate`
 ROWS = 16  # rows per summation block
 
 
-def scan(
-    C: int,
-    K: int,
-    threads: int,
-    gate: int,
-    has_dt_bias: bool,
-    beta_sigmoid: bool,
-    lower_bound: float,
-    beta_scale: float,
-):
-    """The macro filling ``G_s [C, K]`` and ``b_s [C]`` (fp32, shared) for chunk ``c`` of head ``hv``."""
+def activation(x, bias, A, gate: int, lower_bound: float):
+    """``a_t`` of one raw gate element ``x`` (fp32; ``bias`` its ``dt_bias`` or None, ``A = exp(A_log[hv])``),
+    as an expression: the caller's load loop evaluates it as each element arrives, in the same loop as the
+    other loads of the chunk, so that every load of the block is in flight at once."""
+    if gate != PREGATED:
+        if bias is not None:
+            x = x + bias
+        if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
+            x = -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
+        else:
+            x = lower_bound * T.sigmoid(A * x)
+    if gate != SAFE:
+        x = T.if_then_else(x < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, x)
+    return x
+
+
+def scan(C: int, K: int, threads: int, beta_sigmoid: bool, beta_scale: float):
+    """The macro that turns ``G_s [C, K]`` (fp32, shared; ``a_t`` on entry, `activation`) into its in-chunk
+    cumulative sum, and fills ``b_s [C]`` (fp32, shared) for chunk ``c`` of head ``hv``."""
     f32 = "float32"
 
     @T.macro
-    def activate_and_scan(g, beta, A_log, dt_bias, hv, start, end, G_s, b_s):
-        A = T.exp(A_log[hv])  # the host passes zeros without A_log
-        # the activation, in parallel over the chunk (every row's loads in flight at once): G_s holds a_t
-        for i, j in T.Parallel(C, K):
-            t = start + i
-            x = T.if_then_else(t < end, T.cast(g[t, hv, j], f32), 0.0)
-            if gate != PREGATED:
-                if has_dt_bias:
-                    x = x + dt_bias[hv, j]
-                if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
-                    x = -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
-                else:
-                    x = lower_bound * T.sigmoid(A * x)
-            if gate != SAFE:
-                x = T.if_then_else(x < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, x)
-            G_s[i, j] = T.if_then_else(t < end, x, 0.0)
+    def scan_and_beta(beta, hv, start, end, G_s, b_s):
         # the sum down each key column, in place in shared memory, ROWS rows a block. Each column belongs to
         # exactly one thread, named by its index: a parallel loop over K < threads gave a column to two
         # threads, and a column's read-modify-write then raced with itself
@@ -89,4 +83,4 @@ def scan(
                 b_i = T.if_then_else(ok, T.sigmoid(b_i) * beta_scale, 0.0)
             b_s[i] = b_i
 
-    return activate_and_scan
+    return scan_and_beta

@@ -16,8 +16,9 @@ Scores by strips. ``exp(G_i - G_j)`` is never split over the whole chunk (``G`` 
 it). For the strip of rows ``I = [a, a + 16)`` and the columns before it the anchor is the strip's first
 row, ``exp(G_i - G_j) = exp(G_i - G_a) exp(G_a - G_j)``, both factors <= 1, and the strip is one matrix
 product over ``K``, taken transposed so that its long side is the chunk: ``[C, K] x [K, 16] -> [C, 16]``,
-a ``wgmma`` of M = C = 64 on one warpgroup (M = 32 at chunk 32 is below wgmma's 64 and becomes
-``mma.sync``). The strip's own 16x16 diagonal block takes the same product when its decay span
+a ``wgmma`` of M = C = 64, each of the two warpgroups taking 8 of the 16 columns (M = 32 at chunk 32 is
+below wgmma's 64 and becomes ``mma.sync``, on one warpgroup). Only the rows up to the strip's last are
+built. The strip's own 16x16 diagonal block takes the same product when its decay span
 ``max |G_i - G_a|`` is at most `span_limit` (then ``exp(G_a - G_j)`` is finite in the operand dtype and
 every kept entry ``i >= j`` is <= 1; the entries above the diagonal are discarded, never multiplied by 0).
 The safe gate (15 steps of at most 5) always qualifies in bf16 (limit 80, e^80 = 5.5e34 < bf16's 3.4e38);
@@ -39,12 +40,12 @@ Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 ac
 chunk-major in the inputs' dtype (inference only); rows past the sequence's end load as zeros and store
 zeros.
 
-Shared memory is what decides how many chunks an SM works on at once: at C = 64, K = V = 128 the kernel
-asks for 110080 bytes (188 registers a thread), so two blocks share an H200 SM (228 KB, 1 KB reserved a
-block). For that, ``A_qk`` leaves a strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and
+Shared memory and registers decide how many chunks an SM works on at once: at C = 64, K = V = 128 the
+kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
+(228 KB, 1 KB reserved a block; 65536 registers, all of them). For the shared memory, ``A_qk`` leaves a strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and
 the last Neumann round rounds ``T`` straight from its registers into the operand of ``w`` and ``u``.
 
-Grid ``(NT, HV)``, 128 threads (one warpgroup); ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic.
+Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic.
 """
 
 # No `from __future__ import annotations` here: TileLang evaluates a kernel's annotations, and they name
@@ -57,7 +58,13 @@ from kda.backends.tilelang import gate
 from kda.reference import L2NORM_EPS
 
 STRIP = 16
-THREADS = 128
+
+
+def threads_for(C: int) -> int:
+    """Two warpgroups at chunk 64 (each takes 8 of a strip's 16 columns, and the elementwise work halves per
+    thread); one at chunk 32, whose ``[32, 16]`` strip product cannot be split over 8 warps (16 rows, 8
+    columns at least a warp)."""
+    return 256 if C == 64 else 128
 
 
 def span_limit(dtype: str, l2norm: bool) -> float:
@@ -90,7 +97,8 @@ def build(
     group = HV // H
     rounds = C.bit_length() - 2  # log2(C) - 1
     limit = span_limit(dtype, l2norm)
-    activate_and_scan = gate.scan(C, K, THREADS, gate_mode, has_dt_bias, beta_sigmoid, lower_bound, beta_scale)
+    threads = threads_for(C)
+    scan_and_beta = gate.scan(C, K, threads, beta_sigmoid, beta_scale)
     bias_shape = (HV, K) if has_dt_bias else (1,)
 
     @T.prim_func
@@ -111,10 +119,12 @@ def build(
         u: T.Tensor((NT, HV, C, V), dtype),  # out
         A_qk: T.Tensor((NT, HV, C, C), dtype),  # out
     ):
-        with T.Kernel(NT, HV, threads=THREADS) as (c, hv):
-            h = hv // group
+        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+            # computed once: as an expression it was inlined into every index, as 64-bit divisions
+            h = T.alloc_var("int32", init=hv // group)
             start = chunk_starts[c]
             end = chunk_seq_ends[c]
+            A = T.exp(A_log[hv])  # the host passes zeros without A_log
             G_s = T.alloc_shared((C, K), f32)
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
@@ -132,14 +142,24 @@ def build(
             span = T.alloc_fragment((1,), f32)
             acc_cc = T.alloc_fragment((C, C), f32)
             acc_T = T.alloc_fragment((C, C), f32)
+            v_f = T.alloc_fragment((C, V), dtype)  # v, held in registers from the first loads to `u`
 
-            activate_and_scan(g, beta, A_log, dt_bias, hv, start, end, G_s, b_s)
-            for j in T.Parallel(K):
-                G_last[c, hv, j] = G_s[C - 1, j]
+            # every load of the chunk before the first barrier, so that they are all in flight at once; the
+            # gate is activated as it arrives (`gate.activation`), v waits in registers until `u` needs it
+            for i, j in T.Parallel(C, K):
+                ok = start + i < end
+                x = T.if_then_else(ok, T.cast(g[start + i, hv, j], f32), 0.0)
+                a = gate.activation(x, dt_bias[hv, j] if has_dt_bias else None, A, gate_mode, lower_bound)
+                G_s[i, j] = T.if_then_else(ok, a, 0.0)
             for i, j in T.Parallel(C, K):
                 ok = start + i < end
                 q_s[i, j] = T.if_then_else(ok, q[start + i, h, j], T.cast(0, dtype))
                 k_s[i, j] = T.if_then_else(ok, k[start + i, h, j], T.cast(0, dtype))
+            for i, j in T.Parallel(C, V):
+                v_f[i, j] = T.if_then_else(start + i < end, v[start + i, hv, j], T.cast(0, dtype))
+            scan_and_beta(beta, hv, start, end, G_s, b_s)
+            for j in T.Parallel(K):
+                G_last[c, hv, j] = G_s[C - 1, j]
             if l2norm:
                 squares = T.alloc_fragment((C, K), f32)
                 r_q = T.alloc_fragment((C,), f32)
@@ -174,10 +194,15 @@ def build(
                     decay = T.exp(G_s[a + i, j] - G_s[a, j])
                     q_r[i, j] = T.cast(T.cast(q_s[a + i, j], f32) * decay, dtype)
                     k_r[i, j] = T.cast(T.cast(k_s[a + i, j], f32) * decay, dtype)
-                for i, j in T.Parallel(C, K):  # the columns before the strip; its own when by product
-                    keep = (start + i < end) & ((i < a) | ((i < a + STRIP) & (span[0] <= limit)))
-                    scaled = T.cast(k_s[i, j], f32) * T.exp(G_s[a, j] - G_s[i, j])
-                    cols[i, j] = T.if_then_else(keep, T.cast(scaled, dtype), T.cast(0, dtype))
+                # the columns up to the strip's last row. The rows of `cols` after it are not written: a
+                # column's product row depends on that row alone, and the rows with j > i are discarded below
+                # (a select, so what stale rows hold never reaches a kept entry). On the strip's own rows
+                # exp(G_a - G_j) >= 1 may overflow when its span is past the limit; the exact path then
+                # overwrites the whole diagonal block
+                for block in T.serial(s + 1):
+                    for i, j in T.Parallel(STRIP, K):
+                        row = block * STRIP + i
+                        cols[row, j] = T.cast(T.cast(k_s[row, j], f32) * T.exp(G_s[a, j] - G_s[row, j]), dtype)
                 T.gemm(cols, q_r, acc_q, transpose_B=True, clear_accum=True)  # [C, 16]: column j, strip row i
                 T.gemm(cols, k_r, acc_k, transpose_B=True, clear_accum=True)
                 for j, i in T.Parallel(C, STRIP):
@@ -222,8 +247,7 @@ def build(
             for i, j in T.Parallel(C, K):
                 k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
             for i, j in T.Parallel(C, V):
-                ok = start + i < end
-                v_b[i, j] = T.cast(T.if_then_else(ok, b_s[i] * T.cast(v[start + i, hv, j], f32), 0.0), dtype)
+                v_b[i, j] = T.cast(b_s[i] * T.cast(v_f[i, j], f32), dtype)  # beta = 0 past the end
             T.gemm(T_h, k_b, acc_w, clear_accum=True)
             T.gemm(T_h, v_b, acc_u, clear_accum=True)
             T.copy(acc_w, w[c, hv, 0, 0])

@@ -104,7 +104,7 @@ def test_the_gate_sum_gives_each_key_column_one_thread(lowered, dim):
     belong to exactly one thread. A parallel loop over K < 128 threads gave each column to two threads
     (its index was ``threadIdx.x & 63`` at K = 64), whose reads and writes raced: on the H200 that put
     ``o`` 4 to 75 times past the tolerance in half the K = 64 classes."""
-    from kda.backends.tilelang.intra import THREADS
+    from kda.backends.tilelang.intra import threads_for
 
     source = kernels_of(lowered, (64, dim, "bfloat16"))["intra"][0]
     lines = source.splitlines()
@@ -112,9 +112,18 @@ def test_the_gate_sum_gives_each_key_column_one_thread(lowered, dim):
     assert stores, "the gate's in-place sum was not found in the lowered source"
     for n in stores:
         assert "threadIdx.x) &" not in lines[n], lines[n].strip()  # no column shared by two threads
-    if dim < THREADS:  # the threads past the last column sit the sum out
+    if dim < threads_for(64):  # the threads past the last column sit the sum out
         guards = [line for line in lines[: stores[0]] if line.strip().startswith("if (")]
         assert guards and f"threadIdx.x) < {dim})" in guards[-1], guards[-1:]
+
+
+@pytest.mark.parametrize("what", [(64, 128, "bfloat16"), "sigmoid-varlen-gva-nostate"])
+def test_the_key_head_is_computed_once(lowered, what):
+    """``h = hv // (HV / H)`` with symbolic head counts: written as an expression, TileLang inlined it into
+    every q and k index as 64-bit divisions (16 of them in `intra`); a variable computes it once."""
+    source = kernels_of(lowered, what)["intra"][0]
+    assert "(int64_t)HV) / ((int64_t)H)" not in source
+    assert "int h = " in source
 
 
 def test_intra_fits_two_blocks_an_sm_at_head_dim_128(lowered):
@@ -145,8 +154,12 @@ def test_sequence_length_batch_and_heads_are_not_compiled_in():
 
 @pytest.mark.skipif(runtime.find_nvcc() is None, reason="no nvcc on this machine")
 def test_one_shape_class_compiles_with_nvcc(lowered, tmp_path):
-    """The CUDA source TileLang lowers for sm_90a builds with this machine's nvcc (chunk 64, K = V = 128)."""
+    """The CUDA source TileLang lowers for sm_90a builds with this machine's nvcc (chunk 64, K = V = 128),
+    and `intra` leaves room for its second block an SM in the register file too (65536 registers an SM:
+    at 256 threads a block, at most 128 a thread)."""
     import tilelang
+
+    from kda.backends.tilelang.intra import threads_for
 
     root = os.path.dirname(tilelang.__file__)
     includes = [f"-I{os.path.join(root, 'src')}", f"-I{os.path.join(root, '3rdparty', 'cutlass', 'include')}"]
@@ -156,7 +169,7 @@ def test_one_shape_class_compiles_with_nvcc(lowered, tmp_path):
         path.write_text(source)
         return subprocess.run(
             [runtime.find_nvcc() or "nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", *includes,
-             "-DENABLE_BF16", "-w", "-c", str(path), "-o", str(tmp_path / f"{name}.o")],
+             "-DENABLE_BF16", "-w", "-Xptxas", "-v", "-c", str(path), "-o", str(tmp_path / f"{name}.o")],
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
 
@@ -165,6 +178,8 @@ def test_one_shape_class_compiles_with_nvcc(lowered, tmp_path):
         done = {name: pool.submit(build, name, source) for name, (source, _) in kernels.items()}
     for name, future in done.items():
         assert future.result().returncode == 0, (name, future.result().stderr[-2000:])
+    registers = re.findall(r"Used (\d+) registers", done["intra"].result().stderr)
+    assert registers and 2 * threads_for(64) * int(registers[-1]) <= 65536, registers
 
 
 def test_the_backend_says_why_it_cannot_run_here(monkeypatch):

@@ -42,8 +42,9 @@ zeros.
 
 Shared memory and registers decide how many chunks an SM works on at once: at C = 64, K = V = 128 the
 kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
-(228 KB, 1 KB reserved a block; 65536 registers, all of them). For the shared memory, ``A_qk`` leaves a strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and
-the last Neumann round rounds ``T`` straight from its registers into the operand of ``w`` and ``u``.
+(228 KB, 1 KB reserved a block; 65536 registers, all of them). For the shared memory, ``A_qk`` leaves a
+strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and the last Neumann round rounds ``T``
+straight from its registers into the operand of ``w`` and ``u``.
 
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic.
 """

@@ -187,8 +187,8 @@ for target in "$@"; do
     echo "tilelang-stages: exit $?"; grep -v -i warn "$OUT/tilelang-stages/kernels.txt" | tail -30
     ;;
   tilelang-ncu)
-    # Nsight Compute on one launch of each tilelang kernel at NCU_SHAPE (it reads the counters on a Firecracker
-    # machine, not on gVisor): every section, and the SASS with its stall samples per instruction
+    # Nsight Compute on the tilelang kernels matching NCU_KERNELS at NCU_SHAPE (it reads the counters on a
+    # Firecracker machine, not on gVisor): every section, and the SASS with its stall samples per instruction
     mkdir -p "$OUT/tilelang-ncu"
     if command -v ncu > /dev/null; then
       KDA_VERIFY=off timeout "$(left 20)" ncu --clock-control none --set full --kernel-name regex:"${NCU_KERNELS:-intra}" \

@@ -17,8 +17,8 @@ The floor (`kda.reference.LOG_DECAY_FLOOR`; not on the safe gate, which stays ab
 it is a comparison that keeps ``a`` unless ``a < floor`` (CUDA's ``max`` returns the other operand of a NaN).
 
 Two passes. The activation (`activation`) is elementwise, so it runs in parallel over the whole ``[C, K]``
-tile, in the loop that loads the chunk's ``q``, ``k`` and ``v`` too (every load of the block in flight at
-once), into ``G_s``. The sum (`scan`) then runs down each key column in shared memory: each thread
+tile as ``g`` arrives, beside the loads of the chunk's ``q``, ``k`` and ``v`` (every load of the block is
+issued before its first barrier), into ``G_s``. The sum (`scan`) then runs down each key column in shared memory: each thread
 owns one column and walks the chunk's rows in order (a walk that loaded each row from global memory in turn
 waited out one memory latency per row). The sum runs 16 rows at a time, each
 block's running sum added to the carry from the blocks before, so only the carry rounds at the magnitude of
@@ -39,8 +39,8 @@ ROWS = 16  # rows per summation block
 
 def activation(x, bias, A, gate: int, lower_bound: float):
     """``a_t`` of one raw gate element ``x`` (fp32; ``bias`` its ``dt_bias`` or None, ``A = exp(A_log[hv])``),
-    as an expression: the caller's load loop evaluates it as each element arrives, in the same loop as the
-    other loads of the chunk, so that every load of the block is in flight at once."""
+    as an expression: the caller's load loop evaluates it as each element arrives, before the block's first
+    barrier, so that the gate's loads are in flight together with the chunk's other loads."""
     if gate != PREGATED:
         if bias is not None:
             x = x + bias

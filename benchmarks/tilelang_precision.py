@@ -5,7 +5,7 @@
 The tilelang backend's numbers are checked on a GPU only. This script answers, without one, whether its
 precision plan fits the tolerances: it computes the forward the way `kda/backends/tilelang` does, chunk by
 chunk, with every rounding the kernels make (score operands and stored intermediates in the inputs'
-dtype, the inverse's products in TF32 with truncated operands, ``T`` rounded before ``w`` and ``u``, the
+dtype, the inverse's products on bf16 halves of their fp32 operands (three products), ``T`` rounded before ``w`` and ``u``, the
 state's operand rounded each chunk) and every product otherwise exact in fp32, on the verifier's own
 random inputs (realistic and extreme gates, several chunks and a ragged tail), and prints the relative
 error of ``o`` and of the final state against the float64 reference, beside the tolerance.
@@ -32,9 +32,17 @@ def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
-def tf32(x: torch.Tensor) -> torch.Tensor:
-    """fp32 with the low 13 mantissa bits dropped: a tensor core's TF32 operand fed from fp32 registers."""
-    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` as the kernel splits it for the inverse's products: ``high`` in bf16, and the rest in bf16."""
+    high = rounded(x, torch.bfloat16)
+    return high, rounded(x - high, torch.bfloat16)
+
+
+def split_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as the inverse's products compute it: the three terms of the halves above 2^-16, each exact
+    into fp32 (a bf16 tensor-core product)."""
+    (a_hi, a_lo), (b_hi, b_lo) = halves(a), halves(b)
+    return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi
 
 
 def chunk_rows(x: torch.Tensor, start: int, C: int) -> torch.Tensor:
@@ -118,10 +126,11 @@ def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
                                 kd = kc[col] * (G[row] - G[col]).exp()
                                 A_qk[row, col] = scale * (qc[row] * kd).sum()
                                 P[row, col] = -bc[row] * (kc[row] * kd).sum() if col < row else 0.0
+                P = sum(halves(P))  # N is stored as its two halves
                 Tm = P + eye
                 for _ in range(C.bit_length() - 2):
-                    P = tf32(P) @ tf32(P)
-                    Tm = Tm + tf32(P) @ tf32(Tm)
+                    P = sum(halves(split_product(P, P)))
+                    Tm = Tm + split_product(P, Tm)
                 T_h = rounded(Tm, dtype)
                 w = rounded(T_h @ rounded(bc[:, None] * kc * G.exp(), dtype), dtype)
                 u = rounded(T_h @ rounded(bc[:, None] * vc, dtype), dtype)

@@ -5,7 +5,7 @@ Stages, one module each (the math is in each module's docstring), three kernels:
 1. `gate`   : the gate and beta activations, with the in-chunk cumulative sum of the gate: a TileLang
               macro expanded at the start of `intra`, so ``G`` stays in shared memory;
 2. `intra`  : per chunk, the causal scores by 16-row strips (``wgmma``), ``T = (I + A_kk)^-1`` by Neumann
-              doubling, and ``w``, ``u``, ``q_e``, ``k_g``;
+              doubling (``wgmma`` on bf16 halves of the fp32 operands), and ``w``, ``u``, ``q_e``, ``k_g``;
 3. `state`  : the serial pass over each sequence's chunks (``wgmma``, the next chunk's tiles loaded
               ahead by the bulk copy engine);
 4. `output` : ``o`` in parallel over chunks.
@@ -38,7 +38,7 @@ class TileLangBackend(Backend):
     """kda's own TileLang kernels: forward only, on Hopper GPUs."""
 
     name = "tilelang"
-    version = "3"  # bump whenever a kernel changes: verification records are kept per version
+    version = "4"  # bump whenever a kernel changes: verification records are kept per version
     priority = 3  # below triton, helion and fla until measured faster: `kda.bench --tune` decides
     trains = False
     writes_into_outputs = True

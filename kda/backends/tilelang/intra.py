@@ -31,14 +31,18 @@ The inverse is the Neumann series of the nilpotent ``N = -A_kk`` (``N^C = 0``), 
 
     T_1 = I + N,  P_1 = N;    P_{m+1} = P_m P_m,  T_{m+1} = T_m + P_{m+1} T_m;    T = T_{log2 C}
 
-``log2(C) - 1`` rounds of two ``[C, C]`` products with fp32 operands (TF32 tensor cores), no serial
-row-by-row substitution. ``w`` and ``u`` are then products of ``T`` (rounded to the inputs' dtype, as
-FLA rounds it) with the scaled keys and values.
+``log2(C) - 1`` rounds of two ``[C, C]`` products, no serial row-by-row substitution. ``P`` and ``T`` are
+fp32 values held in shared memory as two bf16 halves each (`high`, `low`: ``x = high + low`` to 16
+significant bits) and each product is the three terms above 2^-16,
+``A_hi B_hi + A_hi B_lo + A_lo B_hi``, accumulated in fp32: 16-bit operands are what ``wgmma`` reads
+from shared memory, where fp32 operands became TF32 ``mma.sync`` fed by scalar shared loads (10
+significant bits). ``T`` accumulates in fp32 registers across the rounds. ``w`` and ``u`` are then products
+of ``T`` (rounded to the inputs' dtype, as FLA rounds it) with the scaled keys and values.
 
-Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G``,
-``A_kk`` and ``T`` stay fp32 in shared memory (``A_qk`` is rounded once, a strip at a time). Outputs are
-chunk-major in the inputs' dtype (inference only); rows past the sequence's end load as zeros and store
-zeros.
+Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G`` stays
+fp32 in shared memory, ``A_kk`` and its powers as the bf16 halves above (``A_qk`` is rounded once, a
+strip at a time). Outputs are chunk-major in the inputs' dtype (inference only); rows past the sequence's
+end load as zeros and store zeros.
 
 Shared memory and registers decide how many chunks an SM works on at once: at C = 64, K = V = 128 the
 kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
@@ -59,6 +63,17 @@ from kda.backends.tilelang import gate
 from kda.reference import L2NORM_EPS
 
 STRIP = 16
+SPLIT = "bfloat16"  # the halves of the inverse's fp32 operands
+
+
+def high(x):
+    """``x`` (fp32) rounded to bf16: the high half of the split ``x = high + low``."""
+    return T.cast(x, SPLIT)
+
+
+def low(x):
+    """What `high` drops, rounded to bf16: ``high + low`` carries 16 of fp32's 24 significant bits."""
+    return T.cast(x - T.cast(T.cast(x, SPLIT), "float32"), SPLIT)
 
 
 def threads_for(C: int) -> int:
@@ -99,6 +114,10 @@ def build(
     rounds = C.bit_length() - 2  # log2(C) - 1
     limit = span_limit(dtype, l2norm)
     threads = threads_for(C)
+    # M = C = 64 reaches wgmma's 64 rows: the products of a step are issued together and waited on once
+    # (`T.wgmma_gemm` fails to compile where wgmma cannot serve; chunk 32 takes `T.gemm`'s mma.sync)
+    wgmma = C == 64
+    gemm = T.wgmma_gemm if wgmma else T.gemm
     scan_and_beta = gate.scan(C, K, threads, beta_sigmoid, beta_scale)
     bias_shape = (HV, K) if has_dt_bias else (1,)
 
@@ -134,8 +153,11 @@ def build(
             q_r = T.alloc_shared((STRIP, K), dtype)  # q_i exp(G_i - G_a): the strip's rows
             k_r = T.alloc_shared((STRIP, K), dtype)  # k_i exp(G_i - G_a)
             Aqk_s = T.alloc_shared((STRIP, C), dtype)  # the strip's rows of A_qk, stored after each strip
-            P_s = T.alloc_shared((C, C), f32)  # N = -A_kk, then its powers
-            T_s = T.alloc_shared((C, C), f32)
+            # N = -A_kk, then its powers, and T, each as two bf16 halves (`split`): wgmma operands
+            P_hi = T.alloc_shared((C, C), SPLIT)
+            P_lo = T.alloc_shared((C, C), SPLIT)
+            T_hi = T.alloc_shared((C, C), SPLIT)
+            T_lo = T.alloc_shared((C, C), SPLIT)
             acc_q = T.alloc_fragment((C, STRIP), f32)
             acc_k = T.alloc_fragment((C, STRIP), f32)
             gaps = T.alloc_fragment((STRIP, K), f32)
@@ -204,12 +226,16 @@ def build(
                     for i, j in T.Parallel(STRIP, K):
                         row = block * STRIP + i
                         cols[row, j] = T.cast(T.cast(k_s[row, j], f32) * T.exp(G_s[a, j] - G_s[row, j]), dtype)
-                T.gemm(cols, q_r, acc_q, transpose_B=True, clear_accum=True)  # [C, 16]: column j, strip row i
-                T.gemm(cols, k_r, acc_k, transpose_B=True, clear_accum=True)
+                gemm(cols, q_r, acc_q, transpose_B=True, clear_accum=True)  # [C, 16]: column j, strip row i
+                gemm(cols, k_r, acc_k, transpose_B=True, clear_accum=True)
+                if wgmma:
+                    T.wait_wgmma(0)
                 for j, i in T.Parallel(C, STRIP):
                     row = a + i
                     Aqk_s[i, j] = T.cast(T.if_then_else(j <= row, scale * acc_q[j, i], 0.0), dtype)
-                    P_s[row, j] = T.if_then_else(j < row, -b_s[row] * acc_k[j, i], 0.0)
+                    n = T.if_then_else(j < row, -b_s[row] * acc_k[j, i], 0.0)
+                    P_hi[row, j] = high(n)
+                    P_lo[row, j] = low(n)
                 if span[0] > limit:  # the diagonal block exactly
                     for i, jj in T.Parallel(STRIP, STRIP):
                         row = a + i
@@ -225,20 +251,36 @@ def build(
                             s_q += T.cast(q_s[row, d], f32) * kd
                             s_k += T.cast(k_s[row, d], f32) * kd
                         Aqk_s[i, col] = T.cast(T.if_then_else(col <= row, scale * s_q, 0.0), dtype)
-                        P_s[row, col] = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
+                        n_exact = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
+                        P_hi[row, col] = high(n_exact)
+                        P_lo[row, col] = low(n_exact)
 
                 T.copy(Aqk_s, A_qk[c, hv, a, 0])
 
             for i, j in T.Parallel(C, C):
-                T_s[i, j] = P_s[i, j] + T.if_then_else(i == j, 1.0, 0.0)
-            T.copy(T_s, acc_T)
+                one = T.if_then_else(i == j, 1.0, 0.0)  # N's diagonal is 0: T's halves are N's, plus I
+                acc_T[i, j] = T.cast(P_hi[i, j], f32) + T.cast(P_lo[i, j], f32) + one
+                T_hi[i, j] = T.cast(T.cast(P_hi[i, j], f32) + one, SPLIT)
+                T_lo[i, j] = P_lo[i, j]
             T_h = T.alloc_shared((C, C), dtype)  # T in the inputs' dtype, the operand of w and u
             for m in T.serial(rounds):
-                T.gemm(P_s, P_s, acc_cc, clear_accum=True)
-                T.copy(acc_cc, P_s)
-                T.gemm(P_s, T_s, acc_T)  # T + P T, accumulated onto T in registers
+                gemm(P_hi, P_hi, acc_cc, clear_accum=True)  # P P, the three terms above 2^-16
+                gemm(P_hi, P_lo, acc_cc)
+                gemm(P_lo, P_hi, acc_cc)
+                if wgmma:
+                    T.wait_wgmma(0)
+                for i, j in T.Parallel(C, C):
+                    P_hi[i, j] = high(acc_cc[i, j])
+                    P_lo[i, j] = low(acc_cc[i, j])
+                gemm(P_hi, T_hi, acc_T)  # T + P T, accumulated onto T in registers (fp32)
+                gemm(P_hi, T_lo, acc_T)
+                gemm(P_lo, T_hi, acc_T)
+                if wgmma:
+                    T.wait_wgmma(0)
                 if m < rounds - 1:
-                    T.copy(acc_T, T_s)
+                    for i, j in T.Parallel(C, C):
+                        T_hi[i, j] = high(acc_T[i, j])
+                        T_lo[i, j] = low(acc_T[i, j])
             T.copy(acc_T, T_h)
 
             k_b = T.alloc_shared((C, K), dtype)  # beta k exp(G)
@@ -249,8 +291,10 @@ def build(
                 k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
             for i, j in T.Parallel(C, V):
                 v_b[i, j] = T.cast(b_s[i] * T.cast(v_f[i, j], f32), dtype)  # beta = 0 past the end
-            T.gemm(T_h, k_b, acc_w, clear_accum=True)
-            T.gemm(T_h, v_b, acc_u, clear_accum=True)
+            gemm(T_h, k_b, acc_w, clear_accum=True)
+            gemm(T_h, v_b, acc_u, clear_accum=True)
+            if wgmma:
+                T.wait_wgmma(0)
             T.copy(acc_w, w[c, hv, 0, 0])
             T.copy(acc_u, u[c, hv, 0, 0])
 

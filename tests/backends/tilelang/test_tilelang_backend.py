@@ -117,6 +117,18 @@ def test_the_gate_sum_gives_each_key_column_one_thread(lowered, dim):
         assert guards and f"threadIdx.x) < {dim})" in guards[-1], guards[-1:]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_inverse_multiplies_bf16_halves_on_wgmma(lowered, dtype):
+    """The Neumann inverse's operands are fp32 values; as fp32 tiles TileLang gave their products TF32
+    ``mma.sync`` fed by scalar shared loads (56% of `intra`'s shared-memory wavefronts on the H200). Held as
+    bf16 halves, every operand of its products is read by ``wgmma`` from shared memory at chunk 64."""
+    source = kernels_of(lowered, (64, 128, dtype))["intra"][0]
+    assert "tf32" not in source.lower()
+    descriptors = [line for line in source.splitlines() if "initialize_wgmma_descriptor" in line]
+    for operand in ("P_hi", "P_lo", "T_hi", "T_lo"):
+        assert any(f"(bfloat16_t*){operand})[0]" in line for line in descriptors), operand
+
+
 @pytest.mark.parametrize("what", [(64, 128, "bfloat16"), "sigmoid-varlen-gva-nostate"])
 def test_the_key_head_is_computed_once(lowered, what):
     """``h = hv // (HV / H)`` with symbolic head counts: written as an expression, TileLang inlined it into

@@ -34,7 +34,9 @@
 #                (the tilelang backend needs TileLang carried: `prepare.sh all`, or `prepare.sh tilelang` too;
 #                its compiled kernels are not kept in state.tgz: with them it passed the 16 MiB a file comes back at)
 #   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang forward's time and bytes per kernel at
-#                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128), fwd and fwd_pregated
+#                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128), fwd and fwd_pregated; with
+#                INTRA_VARIANTS ("name=path ...": changed copies of intra.py, e.g. under .device/) each variant's
+#                `intra` is timed in the same process, interleaved with the shipped one
 #   tilelang-ncu Nsight Compute (--set full) on NCU_LAUNCHES (default 1) launches of the tilelang kernels matching
 #                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) -> kernels.ncu-rep, details.txt
 #                (every section as text), sass.csv (stall samples per instruction) and phases.txt (those samples
@@ -187,10 +189,11 @@ for target in "$@"; do
     ;;
   tilelang-stages)
     mkdir -p "$OUT/tilelang-stages"
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2046,SC2086
     KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/tilelang_stages.py --mode fwd --mode fwd_pregated \
+      $(for v in ${INTRA_VARIANTS:-}; do printf -- '--intra-variant %s ' "$v"; done) \
       ${STAGE_SHAPES:-B1_T8192_H96_D128 B4_T2048_H16_D128} > "$OUT/tilelang-stages/kernels.txt" 2>&1
-    echo "tilelang-stages: exit $?"; grep -v -i warn "$OUT/tilelang-stages/kernels.txt" | tail -30
+    echo "tilelang-stages: exit $?"; grep -v -i -E "warn|tilelang\.jit|decision" "$OUT/tilelang-stages/kernels.txt" | tail -40
     ;;
   tilelang-ncu)
     # Nsight Compute on the tilelang kernels matching NCU_KERNELS at NCU_SHAPE (it reads the counters on a

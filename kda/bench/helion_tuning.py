@@ -141,20 +141,30 @@ def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path | None,
         except ValueError:
             table = {}
     pending: list[tuple[Launch, str, str, dict[str, Any]]] = []  # launch, shape, mode, entry key
+    began = time.monotonic()
     for shape in shapes:
         for mode in modes:
-            for launch in record_launches(shape, mode, device):
+            recorded = record_launches(shape, mode, device)
+            log(f"recorded {len(recorded)} launches at {shape} {mode} ({time.monotonic() - began:.0f} s so far)")
+            for launch in recorded:
                 fn, _, _, key = launch
                 entry_key = {"K": key.K, "V": key.V, "C": key.C, "half": key.half}
                 known = table.get(fn.__name__, []) + [e for (f, *_), _s, _m, e in pending if f.__name__ == fn.__name__]
                 if not any({k: e[k] for k in entry_key} == entry_key for e in known):
                     pending.append((launch, shape, mode, entry_key))  # not tuned yet, nor twice in one call
     defaults = [default_of(launch, device) for launch, *_ in pending]
-    for index in sorted(range(len(pending)), key=lambda i: -defaults[i][1]):  # the slowest first
+    order = sorted(range(len(pending)), key=lambda i: -defaults[i][1])  # the slowest first
+    # what the next run's budget needs: where this one's time went before the search, and in what order
+    ranking = ", ".join(f"{pending[i][0][0].__name__} {defaults[i][1]:.3f} ms" for i in order)
+    log(f"defaults timed ({time.monotonic() - began:.0f} s so far), slowest first: {ranking}")
+    for position, index in enumerate(order):
         if time.monotonic() > deadline:
+            left = ", ".join(pending[i][0][0].__name__ for i in order[position:])
+            log(f"budget of {budget_s:.0f} s spent; not tuned: {left}")
             break
         launch, shape, mode, entry_key = pending[index]
         name = launch[0].__name__
+        searched = time.monotonic()
         config, ms = tune_launch(launch, defaults[index], device, deadline)
         default_ms = defaults[index][1]
         if ms == float("inf"):  # nothing compiled and ran: no entry
@@ -162,6 +172,6 @@ def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path | None,
             continue
         entry = {**entry_key, "shape": shape, "ms": round(ms, 4), "default_ms": round(default_ms, 4), "config": config}
         table.setdefault(name, []).append(entry)
-        log(f"{name:24s} {shape} {mode}: {default_ms:.3f} -> {ms:.3f} ms")
+        log(f"{name:24s} {shape} {mode}: {default_ms:.3f} -> {ms:.3f} ms ({time.monotonic() - searched:.0f} s)")
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return out

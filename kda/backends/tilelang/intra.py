@@ -153,7 +153,7 @@ def build(
             q_r = T.alloc_shared((STRIP, K), dtype)  # q_i exp(G_i - G_a): the strip's rows
             k_r = T.alloc_shared((STRIP, K), dtype)  # k_i exp(G_i - G_a)
             Aqk_s = T.alloc_shared((STRIP, C), dtype)  # the strip's rows of A_qk, stored after each strip
-            # N = -A_kk, then its powers, and T, each as two bf16 halves (`split`): wgmma operands
+            # N = -A_kk, then its powers, and T, each as two bf16 halves (`high`, `low`): wgmma operands
             P_hi = T.alloc_shared((C, C), SPLIT)
             P_lo = T.alloc_shared((C, C), SPLIT)
             T_hi = T.alloc_shared((C, C), SPLIT)

@@ -87,7 +87,7 @@ bench() {  # NAME RESERVE [kda.bench arguments]
   local name=$1 reserve=$2; shift 2
   mkdir -p "$OUT/$name"
   timeout "$(left "$reserve")" python3 -m kda.bench "$@" --out "$OUT/$name" > "$OUT/$name/table.txt" 2> "$OUT/$name/log.txt"
-  echo "$name: exit $?"; grep -E " ok | fail|rror" "$OUT/$name/log.txt" | head -40
+  echo "$name: exit $?"; grep -E " ok | fail|rror| s: choosing " "$OUT/$name/log.txt" | head -40
 }
 
 for target in "$@"; do

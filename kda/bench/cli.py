@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -36,11 +37,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kda import cliargs, registry, store
 from kda.bench import results
-from kda.bench.runner import BASELINES, BenchConfig, Row, run
+from kda.bench.runner import BASELINES, BenchConfig, Row, logger, run
 from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape
 from kda.workloads import DENSE_SHAPES
 
 PROG = "python -m kda.bench"
+
+
+class _ConsoleHandler(logging.Handler):
+    """The bench's own log lines on its stderr console, beside the progress bar."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.INFO)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.console.print(record.getMessage(), highlight=False, markup=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -278,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
 
-    if args.worker:  # stream rows to the parent
+    if args.worker:  # stream rows to the parent; the log lines go to the worker's log file (stderr)
+        logger.addHandler(_ConsoleHandler(err))
+        logger.setLevel(logging.INFO)
         run(config, on_row=lambda row: print("ROW " + json.dumps(row.as_json()), flush=True))
         return 0
     if args.tune:
@@ -302,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         finished = sorted(rows, key=_row_order(config))
         results.write_so_far({**header, "rows": [r.as_json() for r in finished]}, out_dir, expected_rows)
 
+    spent_log = _ConsoleHandler(err)  # where each shape's time went (`runner._Spent`), one line a shape
+    logger.addHandler(spent_log)
+    logger.setLevel(logging.INFO)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
     ) as progress:
@@ -329,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             settings["interrupted"] = True
             err.print(f"[yellow]interrupted: writing the {len(rows)} rows finished so far[/yellow]")
+        finally:
+            logger.removeHandler(spent_log)
         rows.sort(key=_row_order(config))
 
     data = results.payload(rows, device, settings)

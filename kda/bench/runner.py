@@ -21,8 +21,10 @@ replace those entries.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -34,6 +36,8 @@ from kda import timings
 from kda.bench import timing
 from kda.bench.shapes import MODES, BenchInputs, BenchShape, Mode, make_inputs
 from kda.spec import KDASpec
+
+logger = logging.getLogger("kda.bench")
 
 BASELINES = ("baseline:fla", "baseline:flashkda")
 
@@ -195,8 +199,34 @@ def run(
     return rows
 
 
+class _Spent:
+    """Where a shape's wall time went, for the log: a bench run is planned against a device's time limit,
+    and most of a shape's minutes are spent before its timed rounds (verification, compilation, autotuning,
+    cold-start processes)."""
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        self.per_backend: dict[str, dict[str, float]] = {}
+
+    def add(self, phase: str, seconds: float, backend: str | None = None) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        if backend is not None:
+            by = self.per_backend.setdefault(phase, {})
+            by[backend] = by.get(backend, 0.0) + seconds
+
+    def summary(self, shape: str, mode: str) -> str:
+        parts = []
+        for phase, seconds in self.phases.items():
+            by = sorted(self.per_backend.get(phase, {}).items(), key=lambda item: -item[1])
+            named = ", ".join(f"{backend} {s:.0f}" for backend, s in by if s >= 1.0)
+            parts.append(f"{phase} {seconds:.0f} s" + (f" ({named})" if named else ""))
+        return f"{shape} {mode}: {time.perf_counter() - self.began:.0f} s: " + "; ".join(parts)
+
+
 def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on_row) -> list[Row]:
     device = config.device
+    spent = _Spent()
     inputs = make_inputs(shape, mode, device, seed=config.seed)
     kwargs = inputs.kwargs
     ordered = (
@@ -210,6 +240,7 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
         kind = "baseline" if name in BASELINES else "auto" if name == "auto" else "kda"
         row = Row(shape.name, mode.name, name, kind)
         rows.append(row)
+        began = time.perf_counter()
         if kind != "baseline":
             served, why = _serving_backend(name, kwargs)
             if served is None:
@@ -217,6 +248,7 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
                 continue
             row.chose = served if kind == "auto" else None
         call, why = call_for(name, inputs, mode)
+        spent.add("choosing", time.perf_counter() - began, name)  # dispatch: verification happens here
         if call is None:
             row.status, row.reason = "skipped", why
             continue
@@ -225,7 +257,9 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
     if measure_cold:  # before anything runs here, so that the first process to touch a shape is cold
         for row in rows:
             if row.backend in calls:
+                began = time.perf_counter()
                 found = cold(row.backend, shape.name, mode.name, device)
+                spent.add("cold starts", time.perf_counter() - began, row.backend)
                 if "error" in found:
                     row.reason = f"cold start failed: {found['error']}"
                 else:
@@ -235,12 +269,22 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
 
     spec = KDASpec.from_call(**kwargs, requires_grad=mode.training)
     timed = [row for row in rows if row.backend in calls]
+    first: set[str] = set()
+
+    def once(row: Row, call: Callable[[], Any], rep_ms: float) -> bool:
+        began = time.perf_counter()
+        measured = _measure_once(row, call, timer, device, config.warmup_ms, rep_ms)
+        # a backend's first timing holds its compilation and autotuning at this shape
+        spent.add("rounds" if row.backend in first else "first timing", time.perf_counter() - began, row.backend)
+        first.add(row.backend)
+        return measured
+
     auto = next((row for row in timed if row.kind == "auto"), None)
     if config.tune and auto is not None:
         # A short first pass fills the timing table, so that auto's choice is fixed before the rounds.
         for row in timed:
             if row.kind == "kda":
-                _measure_once(row, calls[row.backend], timer, device, config.warmup_ms, max(20.0, config.rep_ms / 5))
+                once(row, calls[row.backend], max(20.0, config.rep_ms / 5))
         _record_timings(config, shape, mode, spec, rows)
     if auto is not None:
         auto.chose, _ = _serving_backend("auto", kwargs)  # the table may have changed the choice
@@ -253,21 +297,24 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
         for row in timed[shift:] + timed[:shift]:
             if row.status != "ok":
                 continue
-            measured = _measure_once(row, calls[row.backend], timer, device, config.warmup_ms, config.rep_ms)
+            measured = once(row, calls[row.backend], config.rep_ms)
             if measured and row.median_ms is not None:
                 samples[row.backend].append(row.median_ms)
     for row in timed:
         if row.status == "ok" and samples[row.backend]:
             row.round_ms = list(samples[row.backend])
             row.median_ms = statistics.median(samples[row.backend])
+            began = time.perf_counter()
             try:
                 row.peak_bytes = memory(calls[row.backend], device)
             except Exception as error:
                 row.reason = f"peak memory not measured: {type(error).__name__}: {str(error)[:200]}"
+            spent.add("peak memory", time.perf_counter() - began)
     if config.tune:
         _record_timings(config, shape, mode, spec, rows)
 
     fla = next((r.median_ms for r in rows if r.backend == "baseline:fla" and r.status == "ok"), None)
+    logger.info(spent.summary(shape.name, mode.name))
     for row in rows:
         row.fla_median_ms = fla
         row.pct_fla = pct_fla(fla, row.median_ms)

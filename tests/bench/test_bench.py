@@ -4,7 +4,9 @@ timer, so that the numbers are known), --tune's effect on auto, merging, and the
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -211,8 +213,9 @@ def test_cli_end_to_end_on_the_cpu(seed, tmp_path, capsys):
     ]
     assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["pct_fla"] is None for r in data["rows"])
     assert data["rows"][1]["chose"] == "torch"
-    printed = capsys.readouterr().out
-    assert "bench on cpu" in printed and "results.json" in printed
+    captured = capsys.readouterr()
+    assert "bench on cpu" in captured.out and "results.json" in captured.out
+    assert "B1_T20_H1_D8 fwd: " in captured.err and "first timing" in captured.err  # where the time went
 
     assert cli.main(["--backend", "nope", "--out", str(out)]) == 2
     assert cli.main(["--shape", "B1_T20", "--out", str(out)]) == 2
@@ -438,3 +441,33 @@ def test_rows_are_timed_in_rotated_rounds_and_report_the_median(seed, monkeypatc
     assert by["baseline:fla"].median_ms == 6.0 and by["torch"].median_ms == 4.0
     assert by["baseline:fla"].round_ms == [9.0, 3.0, 6.0] and by["torch"].round_ms == [4.0, 8.0, 2.0]
     assert by["torch"].pct_fla == 150.0
+
+
+def test_each_shape_logs_where_its_time_went(seed, monkeypatch, caplog):
+    """A bench run is planned against a device's time limit, and most of a shape's minutes go before its
+    rounds: one log line a shape splits its wall time into phases, each with the backends that took it."""
+    fake_measurements(monkeypatch, {})
+    clock = [0.0]
+    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    first_costs = {"baseline:fla": 70.0, "torch": 5.0}  # compilation and autotuning happen on a first call
+    timed: set[str] = set()
+
+    def timer(fn, device, **kw):
+        clock[0] += 1.0 if fn.backend in timed else first_costs[fn.backend]
+        timed.add(fn.backend)
+        return 2.0
+
+    monkeypatch.setattr(runner.timing, "median_ms", timer)
+    config = BenchConfig(
+        ["B1_T24_H2_D16"], ["fwd"], ["baseline:fla", "torch"], torch.device("cpu"), cold_start="none", rounds=3
+    )
+    with caplog.at_level(logging.INFO, logger="kda.bench"):
+        runner.run(
+            config, timer=runner.timing.median_ms, memory=runner.timing.peak_bytes, cold=runner.timing.cold_start
+        )
+    lines = [record.getMessage() for record in caplog.records if record.name == "kda.bench"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("B1_T24_H2_D16 fwd: 79 s: "), lines[0]
+    assert "first timing 75 s (baseline:fla 70, torch 5)" in lines[0]
+    rounds = lines[0].split("rounds 4 s (")[1].split(")")[0]
+    assert sorted(rounds.split(", ")) == ["baseline:fla 2", "torch 2"], lines[0]

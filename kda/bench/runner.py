@@ -224,6 +224,20 @@ class _Spent:
         return f"{shape} {mode}: {time.perf_counter() - self.began:.0f} s: " + "; ".join(parts)
 
 
+def _prepare(
+    name: str, kind: str, inputs: BenchInputs, mode: Mode
+) -> tuple[Callable[[], Any] | None, str | None, str | None]:
+    """(the call that times `name` on `inputs`, or None; why not; the backend `auto` chose, for auto)."""
+    chose = None
+    if kind != "baseline":
+        served, why = _serving_backend(name, inputs.kwargs)
+        if served is None:
+            return None, why, None
+        chose = served if kind == "auto" else None
+    call, why = call_for(name, inputs, mode)
+    return call, why, chose
+
+
 def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on_row) -> list[Row]:
     device = config.device
     spent = _Spent()
@@ -241,13 +255,7 @@ def _measure(config, shape, mode, timer, memory, cold, *, measure_cold: bool, on
         row = Row(shape.name, mode.name, name, kind)
         rows.append(row)
         began = time.perf_counter()
-        if kind != "baseline":
-            served, why = _serving_backend(name, kwargs)
-            if served is None:
-                row.status, row.reason = "skipped", why
-                continue
-            row.chose = served if kind == "auto" else None
-        call, why = call_for(name, inputs, mode)
+        call, why, row.chose = _prepare(name, kind, inputs, mode)
         spent.add("choosing", time.perf_counter() - began, name)  # dispatch: verification happens here
         if call is None:
             row.status, row.reason = "skipped", why

@@ -12,7 +12,8 @@
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune (BENCH_BACKENDS narrows
 #                the backends, e.g. "baseline:fla baseline:flashkda tilelang"; a shape takes minutes with all)
-#   train-bench  the training bench (train_safe) at SHAPES, FLA beside triton and auto, with --tune
+#   train-bench  the training bench (train_safe) at SHAPES, FLA beside kda's training backends and auto, with
+#                --tune (TRAIN_BACKENDS narrows the backends)
 #   decode       the decode op (`--mode decode`) at DECODE_SHAPES (default: its 12 shapes), FLA's
 #                fused_recurrent_kda_fwd beside kda's backends and auto, against the copy bandwidth, with --tune
 #   decode-tune  benchmarks/decode_sweep.py: the decode kernel's launch candidates timed per state dtype, the
@@ -28,7 +29,8 @@
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
 #                training at head dim 256 with a synchronize after each launch, which names a faulting kernel
 #   tests        the test suite on CUDA (its GPU-only tests run there); TESTS narrows it (pytest paths and
-#                options, e.g. "-m gpu tests/backends/tilelang")
+#                options, e.g. "-m gpu tests/backends/tilelang"); TEST_GROUPS ("args; args; ...") runs one
+#                pytest process a group, side by side -> tests/pytest-N.txt
 #   tilelang-compile  benchmarks/tilelang_compile.py: the tilelang backend's cold compile per head size, a first
 #                call at a new shape once compiled, and a new process on TileLang's disk cache -> times.jsonl
 #                (the tilelang backend needs TileLang carried: `prepare.sh all`, or `prepare.sh tilelang` too;
@@ -124,7 +126,7 @@ for target in "$@"; do
     ;;
   train-bench)
     # shellcheck disable=SC2046
-    bench train-bench 20 --tune --backend baseline:fla --backend fla --backend triton --backend helion --backend auto \
+    bench train-bench 20 --tune $(printf -- '--backend %s ' ${TRAIN_BACKENDS:-baseline:fla fla triton helion tilelang auto}) \
       --mode train_safe --cold-start none $(shape_args $SHAPES)
     ;;
   decode)
@@ -218,9 +220,25 @@ for target in "$@"; do
     ;;
   tests)
     mkdir -p "$OUT/tests"
-    # shellcheck disable=SC2086
-    timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra ${TESTS:-tests} > "$OUT/tests/pytest.txt" 2>&1
-    grep -E "^(FAILED|ERROR)" "$OUT/tests/pytest.txt" | head -30; tail -n 15 "$OUT/tests/pytest.txt"
+    if [ -n "${TEST_GROUPS:-}" ]; then  # one pytest process a group, side by side: TileLang compiles dominate
+      i=0; pids=()
+      IFS=';' read -ra groups <<< "$TEST_GROUPS"
+      for group in "${groups[@]}"; do
+        i=$((i + 1)); echo "$group" > "$OUT/tests/group-$i.args"
+        # shellcheck disable=SC2086
+        timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra $group > "$OUT/tests/pytest-$i.txt" 2>&1 &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      for n in $(seq 1 "$i"); do
+        echo "== group $n: $(cat "$OUT/tests/group-$n.args")"
+        grep -E "^(FAILED|ERROR)" "$OUT/tests/pytest-$n.txt" | head -12; tail -n 2 "$OUT/tests/pytest-$n.txt"
+      done
+    else
+      # shellcheck disable=SC2086
+      timeout "$(left 20)" python3 -m pytest -q -p no:cacheprovider -ra ${TESTS:-tests} > "$OUT/tests/pytest.txt" 2>&1
+      grep -E "^(FAILED|ERROR)" "$OUT/tests/pytest.txt" | head -30; tail -n 15 "$OUT/tests/pytest.txt"
+    fi
     ;;
   *)
     echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2

@@ -10,10 +10,14 @@ Stages, one module each (the math is in each module's docstring), three kernels:
               ahead by the bulk copy engine);
 4. `output` : ``o`` in parallel over chunks.
 
+The backward (`backward`, six launches): `state_backward` (the reverse serial pass), `chunk_backward` (the
+state products and the WY transform per chunk), `score_backward` (the two score matrices by strips), and
+`tails` (the gate and beta activations, the GVA sums and the l2norm), from what the training forward saved.
+
 What it covers: every gate mode, l2norm and beta sigmoid in kernel, ``allow_neg_eigval``, varlen, GVA,
 initial and final state in both layouts, chunk 32 and 64, K and V of 64, 128 and 256, any T, bf16 and
-fp16 inputs, on a Hopper GPU (compute capability 9.x) with CUDA's nvcc. What it declines, with the
-reason: training (no backward yet), fp32 inputs (TileLang's fp32 products are TF32, and fp32 calls are
+fp16 inputs, on a Hopper GPU (compute capability 9.x) with CUDA's nvcc; training at head dims up to
+`TRAINING_HEAD_DIM_LIMIT`. What it declines, with the reason: training at larger head dims, fp32 inputs (TileLang's fp32 products are TF32, and fp32 calls are
 verified to 1e-3), other head dims, and ``use_graph`` with varlen (the chunk layout is built on the host).
 
 Kernels are compiled on first use per specialization (dtype, chunk, head dims, gate flags; never
@@ -25,24 +29,25 @@ from __future__ import annotations
 
 import torch
 
-from kda.backends.base import Backend, ForwardResult, KDAInputs, KDAOutputs, Verdict
+from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
 from kda.backends.tilelang import runtime
 from kda.spec import KDASpec
 
 HEAD_DIMS = (64, 128, 256)
+TRAINING_HEAD_DIM_LIMIT = 128
 CHUNKS = (32, 64)
 DTYPES = (torch.bfloat16, torch.float16)
 
 
 class TileLangBackend(Backend):
-    """kda's own TileLang kernels: forward only, on Hopper GPUs."""
+    """kda's own TileLang kernels, forward and backward, on Hopper GPUs."""
 
     name = "tilelang"
-    version = "4"  # bump whenever a kernel changes: verification records are kept per version
+    version = "5"  # bump whenever a kernel changes: verification records are kept per version
     priority = 3  # below triton, helion and fla until measured faster: `kda.bench --tune` decides
-    trains = False
+    trains = True
     writes_into_outputs = True
-    description = "kda's own chunked TileLang kernels (wgmma, bulk copies), forward only; Hopper GPUs with nvcc"
+    description = "kda's own chunked TileLang kernels (wgmma, bulk copies), forward and backward; Hopper GPUs with nvcc"
 
     def available(self) -> Verdict:
         problem = runtime.tilelang_problem()
@@ -64,8 +69,11 @@ class TileLangBackend(Backend):
             broken.append(f"runs on a CUDA GPU; the call is on {spec.device}")
         elif torch.cuda.get_device_capability(spec.device)[0] != 9:
             broken.append("written for Hopper (compute capability 9.x)")
-        if spec.requires_grad:
-            broken.append("forward only: no TileLang backward yet")
+        if spec.requires_grad and max(spec.K, spec.V) > TRAINING_HEAD_DIM_LIMIT:
+            broken.append(
+                f"training at head dims above {TRAINING_HEAD_DIM_LIMIT} (K={spec.K}, V={spec.V}): the backward's "
+                "tiles are sized for them"
+            )
         if spec.dtype not in DTYPES:
             broken.append(
                 f"dtype {spec.dtype}: takes bf16 and fp16 (TileLang's fp32 products are TF32, short of the "
@@ -92,3 +100,10 @@ class TileLangBackend(Backend):
         from kda.backends.tilelang.forward import tilelang_forward
 
         return tilelang_forward(inputs, spec, out)
+
+    def backward(
+        self, inputs: KDAInputs, spec: KDASpec, saved, do: torch.Tensor, dfinal_state: torch.Tensor | None
+    ) -> KDAGradients:
+        from kda.backends.tilelang.backward import tilelang_backward
+
+        return tilelang_backward(inputs, spec, saved, do, dfinal_state)

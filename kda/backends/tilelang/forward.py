@@ -5,7 +5,12 @@ Inputs are read token-major where the caller put them (``tokens = B*T``, or ``T`
 ``[tokens, H, K]``, v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
 Intermediates are chunk-major (``[NT, HV, C, ...]``): ``G_last [NT, HV, K]`` in fp32 (``G`` itself never
 leaves the intra kernel's shared memory); ``q_e``, ``k_g``, ``w [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and
-``h [NT, HV, K, V]`` in the inputs' dtype (inference only: nothing is kept for a backward).
+``h [NT, HV, K, V]`` in the inputs' dtype. When the call trains, `intra` also writes what the backward reads
+and nothing else computes: ``G [NT, HV, C, K]``, ``beta [NT, HV, C]``, ``M = A_kk / beta`` and
+``T = (I + A_kk)^-1 [NT, HV, C, C]``, all fp32, and with the l2norm the normalized ``q``, ``k``
+``[tokens, H, K]`` and their reciprocal norms ``[tokens, H]``; these, the intermediates above and the layout
+go to `backward` as ``saved``. The intermediates stay in the inputs' dtype, the values the forward itself
+multiplied by.
 
 `specializations` lists every kernel a call needs with its compile-time parameters: the backend compiles
 them all before it says yes to a call (`TileLangBackend.supports`), and CI lowers the same list for every
@@ -40,7 +45,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def specializations(spec: KDASpec) -> list[Kernel]:
-    """The three kernels of `spec`'s forward, with their compile-time parameters."""
+    """The kernels of `spec`: the forward's three, and the backward's five when the call trains."""
     C, K, V = spec.chunk_size, spec.K, spec.V
     dtype = _dtype_name(spec.dtype)
     bv = min(BV, V)
@@ -54,11 +59,18 @@ def specializations(spec: KDASpec) -> list[Kernel]:
         float(spec.lower_bound or 0.0),
         2.0 if spec.allow_neg_eigval else 1.0,
     )
-    return [
-        Kernel("intra", intra.build, (C, K, V, dtype, float(spec.scale), spec.use_qk_l2norm_in_kernel, *gate_params)),
+    train = spec.requires_grad
+    l2norm = spec.use_qk_l2norm_in_kernel
+    kernels = [
+        Kernel("intra", intra.build, (C, K, V, dtype, float(spec.scale), l2norm, *gate_params, train)),
         Kernel("state", state.build, (C, K, V, bv, dtype, has_h0, spec.output_final_state, spec.state_v_first)),
         Kernel("output", output.build, (C, K, V, bv, dtype)),
     ]
+    if train:
+        from kda.backends.tilelang.backward import specializations as backward_specializations
+
+        kernels += [Kernel(*kernel) for kernel in backward_specializations(spec, gate_params)]
+    return kernels
 
 
 def compile_all(spec: KDASpec) -> dict[str, Any]:
@@ -91,6 +103,21 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     placeholder = torch.zeros(1, dtype=f32, device=device)
     h0 = inputs.initial_state.contiguous() if inputs.initial_state is not None else None
 
+    train = spec.requires_grad
+    if train:
+        G = torch.empty(NT, HV, C, K, dtype=f32, device=device)
+        beta = torch.empty(NT, HV, C, dtype=f32, device=device)
+        M = torch.empty(NT, HV, C, C, dtype=f32, device=device)
+        T_inv = torch.empty(NT, HV, C, C, dtype=f32, device=device)
+    else:
+        G = beta = M = T_inv = placeholder
+    norms = train and spec.use_qk_l2norm_in_kernel
+    rows_placeholder = torch.zeros(1, dtype=dtype, device=device)  # a placeholder in the rows' own dtype
+    q_n = torch.empty_like(q) if norms else rows_placeholder
+    k_n = torch.empty_like(k) if norms else rows_placeholder
+    rstd_q = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
+    rstd_k = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
+
     if layout.num_chunks > 0:
         A_log = (
             inputs.A_log.float().contiguous() if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
@@ -99,7 +126,10 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
         g = inputs.g.reshape(tokens, HV, K).contiguous()
         b = inputs.beta.reshape(tokens, HV).contiguous()
         starts, ends = layout.chunk_starts, layout.chunk_seq_ends
-        kernels["intra"](q, k, v, g, b, A_log, dt_bias, starts, ends, G_last, q_e, k_g, w, u, A_qk)
+        kernels["intra"](
+            q, k, v, g, b, A_log, dt_bias, starts, ends, G_last, q_e, k_g, w, u, A_qk,
+            G, beta, M, T_inv, q_n, k_n, rstd_q, rstd_k,
+        )  # fmt: skip
     if layout.num_seqs > 0:
         # each sequence's first and end chunk as buffers of their own: a view one element in starts 4 bytes
         # past an aligned address, which a kernel's argument checks may refuse
@@ -112,4 +142,11 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
 
     o, ht = deliver(o, ht, out)
     per_chunk = per_chunk_states(h, layout.num_chunks, B, spec) if spec.return_intermediate_states else None
-    return ForwardResult(o, ht, None, per_chunk)
+    saved = None
+    if train:
+        saved = dict(
+            layout=layout, q=q_n if norms else q, k=k_n if norms else k,
+            rstd_q=rstd_q if norms else None, rstd_k=rstd_k if norms else None,
+            G=G, G_last=G_last, beta=beta, M=M, T=T_inv, A_qk=A_qk, q_e=q_e, w=w, k_g=k_g, v_new=u, h=h,
+        )  # fmt: skip
+    return ForwardResult(o, ht, saved, per_chunk)

@@ -41,8 +41,15 @@ of ``T`` (rounded to the inputs' dtype, as FLA rounds it) with the scaled keys a
 
 Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G`` stays
 fp32 in shared memory, ``A_kk`` and its powers as the bf16 halves above (``A_qk`` is rounded once, a
-strip at a time). Outputs are chunk-major in the inputs' dtype (inference only); rows past the sequence's
-end load as zeros and store zeros.
+strip at a time). Outputs are chunk-major in the inputs' dtype; rows past the sequence's end load as
+zeros and store zeros.
+
+With ``save`` (a training call) the kernel also writes what the backward reads and nothing else computes,
+from buffers it already holds, so it costs stores and no shared memory: ``G`` and ``beta`` (fp32,
+``[NT, HV, C, K]`` and ``[NT, HV, C]``), ``M = A_kk / beta`` (the strip products before beta scales them)
+and ``T`` (from its fp32 registers), ``[NT, HV, C, C]`` fp32, and with the l2norm the normalized rows and
+their reciprocal norms (``[tokens, H, K]``, ``[tokens, H]``; by the first value head of each group).
+Without it those parameters are one-element placeholders and the kernel's body is unchanged.
 
 Shared memory and registers decide how many chunks an SM works on at once: at C = 64, K = V = 128 the
 kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
@@ -106,6 +113,7 @@ def build(
     beta_dtype: str,
     lower_bound: float,
     beta_scale: float,
+    save: bool = False,
 ):
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")  # head counts: no compile per model either
@@ -120,6 +128,11 @@ def build(
     gemm = T.wgmma_gemm if wgmma else T.gemm
     scan_and_beta = gate.scan(C, K, threads, beta_sigmoid, beta_scale)
     bias_shape = (HV, K) if has_dt_bias else (1,)
+
+    def saved(*shape):  # what training keeps for the backward; a placeholder at inference
+        return shape if save else (1,)
+
+    norms = save and l2norm  # the normalized rows and their reciprocal norms
 
     @T.prim_func
     def intra_kernel(
@@ -138,6 +151,14 @@ def build(
         w: T.Tensor((NT, HV, C, K), dtype),  # out
         u: T.Tensor((NT, HV, C, V), dtype),  # out
         A_qk: T.Tensor((NT, HV, C, C), dtype),  # out
+        G_out: T.Tensor(saved(NT, HV, C, K), f32),  # out when training: G
+        beta_out: T.Tensor(saved(NT, HV, C), f32),  # out when training: beta as activated (0 past the end)
+        M_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: A_kk / beta, strictly lower
+        T_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: (I + A_kk)^-1
+        q_n: T.Tensor((tokens, H, K) if norms else (1,), dtype),  # out when training with l2norm
+        k_n: T.Tensor((tokens, H, K) if norms else (1,), dtype),
+        rstd_q: T.Tensor((tokens, H) if norms else (1,), f32),
+        rstd_k: T.Tensor((tokens, H) if norms else (1,), f32),
     ):
         with T.Kernel(NT, HV, threads=threads) as (c, hv):
             # computed once: as an expression it was inlined into every index, as 64-bit divisions
@@ -183,6 +204,10 @@ def build(
             scan_and_beta(beta, hv, start, end, G_s, b_s)
             for j in T.Parallel(K):
                 G_last[c, hv, j] = G_s[C - 1, j]
+            if save:
+                T.copy(G_s, G_out[c, hv, 0, 0])
+                for i in T.Parallel(C):
+                    beta_out[c, hv, i] = b_s[i]
             if l2norm:
                 squares = T.alloc_fragment((C, K), f32)
                 r_q = T.alloc_fragment((C,), f32)
@@ -203,6 +228,15 @@ def build(
                 for i, j in T.Parallel(C, K):
                     q_s[i, j] = T.cast(T.cast(q_s[i, j], f32) * n_q[i], dtype)
                     k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * n_k[i], dtype)
+                if norms and h * group == hv:  # a q/k head's rows once, by the first value head of its group
+                    for i, j in T.Parallel(C, K):
+                        if start + i < end:
+                            q_n[start + i, h, j] = q_s[i, j]
+                            k_n[start + i, h, j] = k_s[i, j]
+                    for i in T.Parallel(C):
+                        if start + i < end:
+                            rstd_q[start + i, h] = n_q[i]
+                            rstd_k[start + i, h] = n_k[i]
             for i, j in T.Parallel(C, K):
                 q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
                 k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
@@ -236,6 +270,10 @@ def build(
                     n = T.if_then_else(j < row, -b_s[row] * acc_k[j, i], 0.0)
                     P_hi[row, j] = high(n)
                     P_lo[row, j] = low(n)
+                    if save:  # noqa: SIM102 (a compile-time switch around a run-time test)
+                        # the exact path below writes the diagonal block of a strip past its limit
+                        if j < a or j >= a + STRIP or span[0] <= limit:
+                            M_out[c, hv, row, j] = T.if_then_else(j < row, acc_k[j, i], 0.0)
                 if span[0] > limit:  # the diagonal block exactly
                     for i, jj in T.Parallel(STRIP, STRIP):
                         row = a + i
@@ -254,6 +292,8 @@ def build(
                         n_exact = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
                         P_hi[row, col] = high(n_exact)
                         P_lo[row, col] = low(n_exact)
+                        if save:
+                            M_out[c, hv, row, col] = T.if_then_else(col < row, s_k, 0.0)
 
                 T.copy(Aqk_s, A_qk[c, hv, a, 0])
 
@@ -282,6 +322,8 @@ def build(
                         T_hi[i, j] = high(acc_T[i, j])
                         T_lo[i, j] = low(acc_T[i, j])
             T.copy(acc_T, T_h)
+            if save:
+                T.copy(acc_T, T_out[c, hv, 0, 0])
 
             k_b = T.alloc_shared((C, K), dtype)  # beta k exp(G)
             v_b = T.alloc_shared((C, V), dtype)  # beta v

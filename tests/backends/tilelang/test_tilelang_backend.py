@@ -29,14 +29,14 @@ from kda.backends.tilelang import CHUNKS, HEAD_DIMS, TileLangBackend, forward, r
 H200_SHARED_MEMORY = 232448  # bytes of dynamic shared memory one block may ask for (227 KB)
 
 
-def spec_of(*, K: int, V: int, T: int = 100, **changes) -> KDASpec:
+def spec_of(*, K: int, V: int, T: int = 100, training: bool = False, **changes) -> KDASpec:
     """The spec of a call of `case_class(**changes)` at head dims K, V (CPU tensors: only its shape matters)."""
     cc = case_class(**{"dtype": "bfloat16", **changes})
     group = 2 if cc.gva else 1
     lengths = (T, 0, 7) if cc.varlen else (T,)
     case = VerificationCase(cc, "realistic", 1, 2, 2 * group, K, V, lengths, cc.dtype, seed=1)
     kwargs, _ = make_inputs(case, "cpu")
-    return KDASpec.from_call(**kwargs, requires_grad=False)
+    return KDASpec.from_call(**kwargs, requires_grad=training)
 
 
 VARIANTS = {
@@ -62,6 +62,7 @@ def lowered() -> dict:
     runs in TVM's C++ passes, outside the GIL, so a thread per core lowers them side by side."""
     specs: dict = {claim: spec_of(K=claim[1], V=claim[1], chunk_size=claim[0], dtype=claim[2]) for claim in CLAIMED}
     specs |= {name: spec_of(K=128, V=64, chunk_size=64, **changes) for name, changes in VARIANTS.items()}
+    specs["training"] = spec_of(K=128, V=128, chunk_size=64, training=True)
     jobs = {(what, kernel.name): kernel for what, spec in specs.items() for kernel in forward.specializations(spec)}
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         futures = {job: pool.submit(_lower, kernel) for job, kernel in jobs.items()}
@@ -155,6 +156,38 @@ def test_call_variants_lower(lowered, variant):
     assert "wgmma_ss" in products(kernels["intra"][0])
 
 
+BACKWARD = ["state_backward", "chunk_backward", "score_backward", "gate_tail", "qk_tail"]
+
+
+def test_training_adds_the_backward_and_the_forward_saves_for_it():
+    """A training call's kernels are the forward's three, `intra` compiled to save what the backward reads
+    (its last parameter), and the backward's five; an inference call's `intra` saves nothing."""
+    inference, training = spec_of(K=64, V=64), spec_of(K=64, V=64, training=True)
+    assert [kernel.name for kernel in forward.specializations(inference)] == ["intra", "state", "output"]
+    kernels = forward.specializations(training)
+    assert [kernel.name for kernel in kernels] == ["intra", "state", "output", *BACKWARD]
+    assert kernels[0].params[-1] is True and forward.specializations(inference)[0].params[-1] is False
+    assert kernels[0].params[:-1] == forward.specializations(inference)[0].params[:-1]
+
+
+def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
+    """At chunk 64, K = V = 128 every training kernel lowers for sm_90a with tensor-core products, `intra`'s
+    stores for the backward cost no shared memory (two blocks an SM still), and the saved tensors are
+    written: G, beta, M, T and the normalized rows."""
+    kernels = kernels_of(lowered, "training")
+    assert set(kernels) == {"intra", "state", "output", *BACKWARD}
+    for name, (_source, shared) in kernels.items():
+        assert shared <= H200_SHARED_MEMORY, (name, shared)
+    for name in ("intra", "state", "output", "state_backward", "chunk_backward", "score_backward"):
+        assert "wgmma_ss" in products(kernels[name][0]), name
+    saving, plain = kernels["intra"], kernels_of(lowered, (64, 128, "bfloat16"))["intra"]
+    assert saving[1] == plain[1]
+    for stored in ("G_out", "beta_out", "M_out", "T_out", "q_n", "k_n", "rstd_q", "rstd_k"):
+        # named in both signatures (a placeholder at inference); used in the saving kernel's body alone
+        uses = [len(re.findall(rf"\b{stored}\b", source)) for source in (saving[0], plain[0])]
+        assert uses[0] > uses[1], (stored, uses)
+
+
 def test_sequence_length_batch_and_heads_are_not_compiled_in():
     """Calls that differ only in length, batch layout or head counts share every kernel specialization."""
     assert forward.specializations(spec_of(K=64, V=64, T=33)) == forward.specializations(spec_of(K=64, V=64, T=900))
@@ -218,8 +251,10 @@ def test_it_declines_what_it_does_not_cover():
     verdict = TileLangBackend().supports(KDASpec.from_call(**kwargs, requires_grad=True))
     text = str(verdict)
     assert not verdict
-    for reason in ("CUDA GPU", "forward only", "dtype torch.float32", "head dim K=96"):
+    for reason in ("CUDA GPU", "dtype torch.float32", "head dim K=96"):
         assert reason in text, (reason, text)
+    verdict = TileLangBackend().supports(spec_of(K=256, V=64, training=True))
+    assert not verdict and "training at head dims above 128 (K=256, V=64)" in str(verdict)
 
 
 def test_a_kernel_that_does_not_compile_is_a_no_with_the_reason(monkeypatch):

@@ -1,7 +1,7 @@
 """The tilelang backend on a Hopper GPU: its kernels against the float64 reference through the verifier's own
-`run_case` (NaN-poisoned outputs, inputs checked for modification), over the variants it claims, with
-realistic and extreme gates, several chunks and ragged tails; and a route test that proves its kernels are
-what ran. Every test here is marked `gpu` and skips with the reason on a machine without one (CI); there
+`run_case` (NaN-poisoned outputs, inputs checked for modification), over the variants it claims, forward
+and backward (every gradient), with realistic and extreme gates, several chunks and ragged tails; and route
+tests that prove its kernels are what ran. Every test here is marked `gpu` and skips with the reason on a machine without one (CI); there
 the lowering tests (`test_tilelang_backend.py`) run instead.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import case_class, variant_id
+from kernel_cases import case_class, expected_gradients, training_class, variant_id
 
 import kda
 from kda.spec import GateMode
@@ -55,6 +55,31 @@ def test_forward_matches_the_reference(seed, variant, regime, head_dim):
     assert result.passed, (cc.key, result.reason, result.errors)
 
 
+TRAINING_VARIANTS = [
+    dict(),
+    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given"),
+    dict(gate=GateMode.SOFTPLUS, beta="sigmoid2", chunk_size=32, varlen=True, gva=True, state_v_first=True),
+    dict(dtype="float16", gva=True, final_state=False, chunk_size=32),
+    dict(gate=GateMode.SIGMOID, varlen=True, initial_state=False),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("regime", ["realistic", "extreme"])
+def test_backward_gives_every_gradient(seed, variant, regime, head_dim):
+    hopper()
+    cc = training_class({"dtype": "bfloat16", "chunk_size": 64, **variant, "head_dim": head_dim}, regime)
+    C = cc.chunk_size
+    group = 2 if cc.gva else 1
+    lengths = (3 * C + 13, 0, 1, C - 3) if cc.varlen else (3 * C + 13,) * 2
+    B = 1 if cc.varlen else 2
+    case = VerificationCase(cc, regime, B, 2, 2 * group, head_dim, head_dim, lengths, cc.dtype, seed=seed)
+    result = run_case(kda.get_backend("tilelang"), case, "cuda")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    assert expected_gradients(cc) <= set(result.errors), result.errors
+
+
 def test_the_tilelang_kernels_are_what_ran(monkeypatch):
     hopper()
     launched: list[str] = []
@@ -78,6 +103,37 @@ def test_the_tilelang_kernels_are_what_ran(monkeypatch):
     reference, _ = kda.chunk_kda(*as64, backend="torch", use_qk_l2norm_in_kernel=True)
     assert relative_error(o.double(), reference) <= tolerance("o", "bfloat16")
     assert runtime.tilelang_problem() is None
+
+
+def test_training_runs_the_tilelang_backward(monkeypatch):
+    hopper()
+    launched: list[str] = []
+    real = forward.compile_all
+    monkeypatch.setattr(
+        forward, "compile_all", lambda spec: {n: _Counted(n, k, launched) for n, k in real(spec).items()}
+    )
+    monkeypatch.setenv("KDA_VERIFY", "off")
+    B, T, H, K, V = 1, 150, 2, 64, 64
+    device, bf16 = "cuda", torch.bfloat16
+    leaves = [
+        torch.randn(B, T, H, K, device=device, dtype=bf16),
+        torch.randn(B, T, H, K, device=device, dtype=bf16),
+        torch.randn(B, T, H, V, device=device, dtype=bf16),
+        torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device)).to(bf16),
+        torch.rand(B, T, H, device=device, dtype=bf16),
+    ]
+    inputs = [x.clone().requires_grad_() for x in leaves]
+    o, _ = kda.chunk_kda(*inputs, backend="tilelang", use_qk_l2norm_in_kernel=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    assert launched[:3] == ["intra", "state", "output"]
+    assert launched[3:] == ["state_backward", "chunk_backward", "score_backward", "gate_tail", "qk_tail", "qk_tail"]
+    as64 = [x.double().requires_grad_() for x in leaves]
+    reference, _ = kda.chunk_kda(*as64, backend="torch", use_qk_l2norm_in_kernel=True)
+    reference.backward(do.double())
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta"), inputs, as64, strict=True):
+        assert got.grad is not None and want.grad is not None
+        assert relative_error(got.grad.double(), want.grad) <= tolerance(name, "bfloat16"), name
 
 
 class _Counted:

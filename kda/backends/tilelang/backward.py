@@ -1,0 +1,134 @@
+"""The backward pass: six launches (`state_backward`, `chunk_backward`, `score_backward`, `gate_tail`, and
+`qk_tail` for q and for k; the math is in each module), from what the training forward saved.
+
+Saved by the forward (`forward.tilelang_forward`): ``q_e``, ``k_g``, ``w [NT, HV, C, K]``,
+``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and ``h [NT, HV, K, V]`` in the inputs' dtype (the values the
+forward multiplied by); ``G [NT, HV, C, K]``, ``G_last [NT, HV, K]``, ``beta [NT, HV, C]``, ``M`` and
+``T [NT, HV, C, C]`` in fp32; the rows ``q``, ``k [tokens, H, K]`` the forward used (normalized with the
+l2norm, with their reciprocal norms ``[tokens, H]``).
+
+Scratch, chunk-major fp32: ``dh [NT, HV, K, V]`` (of the state leaving each chunk), ``dv_new [NT, HV, C, V]``,
+``dq``/``dk``/``dG`` per value head ``[NT, HV, C, K]`` (`chunk_backward` writes them, `score_backward`
+adds to them), ``dP_qk``/``dP_kk [NT, HV, C, C]``, ``dbeta [NT, HV, C]``. The sums over tokens
+(``ddt_bias``, ``dA_log``) are torch sums of per-token and per-row parts: a fixed order, no atomics.
+
+One specialization serves a call whether or not the caller's loss reaches the final state: without its
+gradient the state pass starts from zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kda.backends.base import KDAGradients, KDAInputs
+from kda.backends.tilelang import chunk_backward, score_backward, state_backward, tails
+from kda.spec import KDASpec
+
+BV = 64  # value columns per program of the reverse state pass
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def specializations(spec: KDASpec, gate_params: tuple[Any, ...]) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """The backward's kernels with their compile-time parameters (``gate_params`` as the forward's `intra`
+    takes them: gate mode, dt_bias, beta sigmoid, the gate's and beta's dtypes, lower bound, beta scale)."""
+    C, K, V = spec.chunk_size, spec.K, spec.V
+    dtype = _dtype_name(spec.dtype)
+    return [
+        (
+            "state_backward",
+            state_backward.build,
+            (C, K, V, min(BV, V), dtype, spec.output_final_state, spec.initial_state is not None, spec.state_v_first),
+        ),
+        ("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale))),
+        ("score_backward", score_backward.build, (C, K, dtype)),
+        ("gate_tail", tails.build_gate_tail, (C, K, *gate_params)),
+        ("qk_tail", tails.build_qk_tail, (C, K, dtype, spec.use_qk_l2norm_in_kernel)),
+    ]
+
+
+def tilelang_backward(
+    inputs: KDAInputs, spec: KDASpec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None
+) -> KDAGradients:
+    from kda.backends.tilelang.forward import compile_all
+
+    kernels = compile_all(spec)
+    layout = saved["layout"]
+    device, f32 = spec.device, torch.float32
+    B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
+    tokens, NT = B * T, max(layout.num_chunks, 1)
+    placeholder = torch.zeros(1, dtype=f32, device=device)
+    starts, ends = layout.chunk_starts, layout.chunk_seq_ends
+
+    do = do.reshape(tokens, HV, V).to(spec.dtype).contiguous()
+    dv = torch.empty(tokens, HV, V, dtype=inputs.v.dtype, device=device)
+    dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
+    dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
+    dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
+    dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
+    dA_rows = torch.zeros(NT, HV, C, dtype=f32, device=device)
+    dh0 = torch.empty(spec.state_shape, dtype=f32, device=device) if inputs.initial_state is not None else None
+
+    if layout.num_chunks > 0:
+        dh = torch.empty(NT, HV, K, V, dtype=f32, device=device)
+        dv_new = torch.empty(NT, HV, C, V, dtype=f32, device=device)
+        dht = placeholder
+        if spec.output_final_state:  # compiled to read one: zeros when the loss does not reach the state
+            dht = (
+                dfinal_state.float().contiguous()
+                if dfinal_state is not None
+                else torch.zeros(spec.state_shape, dtype=f32, device=device)
+            )
+        kernels["state_backward"](
+            do, saved["q_e"], saved["w"], saved["k_g"], saved["A_qk"], saved["G_last"], starts, ends,
+            layout.chunk_bounds[:-1].clone(), layout.chunk_bounds[1:].clone(), dht, dh, dv_new,
+            dh0 if dh0 is not None else placeholder,
+        )  # fmt: skip
+        dq_c, dk_c, dG_c = (torch.empty(NT, HV, C, K, dtype=f32, device=device) for _ in range(3))
+        dP_qk, dP_kk = (torch.empty(NT, HV, C, C, dtype=f32, device=device) for _ in range(2))
+        dbeta_c = torch.empty(NT, HV, C, dtype=f32, device=device)
+        q, k = saved["q"], saved["k"]
+        kernels["chunk_backward"](
+            do, inputs.v.reshape(tokens, HV, V).contiguous(), k, saved["G"], saved["beta"], saved["T"], saved["M"],
+            saved["h"], dh, saved["v_new"], dv_new, saved["q_e"], saved["k_g"], starts, ends,
+            dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
+        )  # fmt: skip
+        kernels["score_backward"](q, k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
+        A_log = (
+            inputs.A_log.float().contiguous() if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
+        )
+        dt_bias = inputs.dt_bias.reshape(HV, K).float().contiguous() if inputs.dt_bias is not None else placeholder
+        kernels["gate_tail"](
+            inputs.g.reshape(tokens, HV, K).contiguous(), inputs.beta.reshape(tokens, HV).contiguous(), A_log,
+            dt_bias, dG_c, dbeta_c, starts, ends, dg32, dbeta, dA_rows,
+        )  # fmt: skip
+        for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
+            kernels["qk_tail"](x_hat, rstd if rstd is not None else placeholder, dx_c, starts, ends, dx)
+    else:  # every sequence empty: nothing but the state's own gradient
+        for grad in (dv, dg32, dbeta, dq, dk):
+            grad.zero_()
+        if dh0 is not None:
+            dh0.copy_(dfinal_state if dfinal_state is not None else torch.zeros_like(dh0))
+
+    dA_log = ddt_bias = dinitial_state = None
+    if inputs.A_log is not None:
+        dA_log = dA_rows.sum(dim=(0, 2)).to(inputs.A_log.dtype)
+    if inputs.dt_bias is not None:
+        ddt_bias = dg32.sum(dim=0).reshape(inputs.dt_bias.shape).to(inputs.dt_bias.dtype)
+    if dh0 is not None:
+        assert inputs.initial_state is not None
+        dinitial_state = dh0.to(inputs.initial_state.dtype)
+    return KDAGradients(
+        dq=dq.view_as(inputs.q),
+        dk=dk.view_as(inputs.k),
+        dv=dv.view_as(inputs.v),
+        dg=dg32.to(inputs.g.dtype).view_as(inputs.g),
+        dbeta=dbeta.view_as(inputs.beta),
+        dA_log=dA_log,
+        ddt_bias=ddt_bias,
+        dinitial_state=dinitial_state,
+    )

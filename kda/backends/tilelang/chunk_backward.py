@@ -1,0 +1,291 @@
+"""Backward stage 2: per chunk, the gradients of the state products and of the WY transform.
+
+The math is the helion backend's (`kda.backends.helion.chunk_backward`). With ``dh`` (of the state leaving
+the chunk) and ``dv_new`` from the state backward, ``h`` the state entering the chunk, ``X = beta k exp(G)``
+and ``Y = beta v`` (so ``w = T X``, ``u = T Y``)::
+
+    dq_e = do h^T       dw = -dv_new h^T       dk_g = v_new dh^T                   [C, K]
+    dA_qk = do v_new^T (causal)                dT = dw X^T + dv_new Y^T            [C, C]
+    dX = T^T dw         dY = T^T dv_new        dA_kk = -T^T dT T^T (strictly lower)
+    dv = beta dY                                                   (final: v enters nowhere else)
+    dbeta = sum_v dY v + sum_c dX k exp(G) + sum_j dA_kk M         (M = A_kk / beta, kept by the forward)
+
+then, on the normalized rows and the cumulative log decay, everything but the score matrices' part::
+
+    dq  = scale exp(G) dq_e
+    dk  = beta exp(G) dX + exp(G_last - G) dk_g
+    dG  = dX X + q_e dq_e - k_g dk_g,  and on the last row also  sum_i k_g dk_g + exp(G_last) sum_v dh h
+
+and the score matrices' gradients for the score backward: ``dP_qk = scale dA_qk`` (``j <= i``) and
+``dP_kk = diag(beta) dA_kk``. ``G_last`` is ``G``'s last row (rows past the end hold the last token's value).
+
+Tensors (``tokens``, ``NT``, ``H``, ``HV`` symbolic; value head ``hv`` reads q/k head ``hv // (HV // H)``):
+``do``, ``v`` ``[tokens, HV, V]`` and ``k`` ``[tokens, H, K]`` in the inputs' dtype; chunk-major ``G``
+``[NT, HV, C, K]``, ``beta`` ``[NT, HV, C]``, ``T``, ``M`` ``[NT, HV, C, C]``, ``dh`` ``[NT, HV, K, V]`` and
+``dv_new`` ``[NT, HV, C, V]`` in fp32; ``h`` ``[NT, HV, K, V]``, ``v_new`` ``[NT, HV, C, V]``, ``q_e``, ``k_g``
+``[NT, HV, C, K]`` in the inputs' dtype. Out: ``dv [tokens, HV, V]`` (inputs' dtype, the sequence's rows
+only), fp32 ``dq_c``, ``dk_c``, ``dG_c`` ``[NT, HV, C, K]``, ``dP_qk``, ``dP_kk`` ``[NT, HV, C, C]``,
+``dbeta_c [NT, HV, C]`` (every row; past the end they are what zero ``do``, ``v``, ``k`` give).
+
+Precision. Every product accumulates in fp32 on the tensor cores, whose operands are 16-bit in shared
+memory (``wgmma`` at C = 64; fp32 operands would be TF32, 10 significant bits). The training check on
+``dA_log`` sums cancelling ``dG`` terms over every token, so no fp32 operand is rounded once to 16 bits.
+An fp32 ``x`` is split into halves in the inputs' dtype, ``hi = round(x)``, ``lo = round(x - hi)``
+(`high`, `low`: 16 significant bits in bf16, 22 in fp16), and
+
+- a product with a 16-bit operand takes two terms, ``hi B + lo B``: ``dv_new v^T``, ``dv_new h^T``
+  (``dw``), ``v_new dh^T`` (``dk_g``);
+- a product of two fp32 operands takes three, ``A_hi B_hi + A_hi B_lo + A_lo B_hi`` (the dropped
+  ``A_lo B_lo`` is below 2^-16 relative): ``T^T dv_new`` (``dY``), ``dw (k exp(G))^T``, ``T^T dw``
+  (``dX``), ``T^T dT`` and ``(T^T dT) T^T``;
+- ``do v_new^T`` (``dA_qk``) and ``do h^T`` (``dq_e``) are exact products of 16-bit operands.
+
+``beta`` is taken out of the products: ``dT[i, j] = beta_j (dv_new v^T + dw (k exp(G))^T)[i, j]``, so ``v``
+enters as it is (exact) and ``beta`` multiplies the fp32 sum once. In fp16 a half past 65504 overflows; the
+gradients and ``T`` of real inputs stay far below it (and below 6e-5 a half loses bits, absolute error
+3e-8). ``sum_v dh h`` reads ``dh`` in fp32. On an H200 the fp32 outputs came within 5e-6 (bf16) and 1.6e-6
+(fp16) of the float64 reference, relative to their norm; one bf16 rounding of an fp32 operand gives ~1e-3.
+
+Order. The value side first, all of ``V`` at once (``do``, ``v``, ``v_new`` and ``dv_new``'s halves stay
+in shared memory for the whole chunk): ``dA_qk``, ``dY`` (then ``dv`` and the first part of ``dbeta``) and
+``dT``'s first term. Then ``K`` in blocks of `key_block` columns (``h``, ``dh`` ``[BK, V]`` tiles): ``dq_e``,
+``dw``, ``dk_g``, ``dX``, the outputs on those columns and ``dT``'s second term (``dT`` needs every key
+column before ``dA_kk``). Last ``dA_kk`` from ``dT``, with the ``M`` part of ``dbeta``.
+
+Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic. Shared
+memory does not grow with ``K`` (blocked): 156672 bytes a block at C = 64, V = 128 (111616 at V = 64; 86144
+and 57472 at C = 32), so one block an SM at C = 64, V = 128, where nvcc gives 255 registers a thread (256
+threads: the whole register file), with 16 bytes spilled. K = 256 fits; V = 256 fits at C = 32 (143488
+bytes) and not at C = 64 (246784: ``V`` is not tiled).
+"""
+
+# (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which mypy cannot read)
+# No `from __future__ import annotations` here: TileLang evaluates a kernel's annotations, and they name
+# the builder's locals (the compile-time sizes and the dynamic lengths).
+import functools
+
+import tilelang.language as T
+
+
+def threads_for(C: int) -> int:
+    """Two warpgroups at chunk 64 (the [64, N] products split their N between them, and the elementwise
+    work and fp32 fragments halve per thread); one at chunk 32, whose 32-row products are mma.sync."""
+    return 256 if C == 64 else 128
+
+
+def key_block(K: int) -> int:
+    """Key columns a step of the K loop takes: 32 keeps the chunk's value-side tiles and one [BK, V] tile of
+    ``h`` and of ``dh``'s halves under the H200's shared memory at V = 128."""
+    return min(K, 32)
+
+
+@functools.cache
+def build(C: int, K: int, V: int, dtype: str, scale: float):
+    tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
+    H, HV = T.dynamic("H"), T.dynamic("HV")
+    f32 = "float32"
+    group = HV // H
+    BK = key_block(K)
+    blocks = K // BK
+    threads = threads_for(C)
+
+    def high(x):
+        """``x`` (fp32) rounded to the inputs' dtype: the high half of ``x = high + low``."""
+        return T.cast(x, dtype)
+
+    def low(x):
+        """What `high` drops, rounded to the inputs' dtype."""
+        return T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
+
+    def sum_of_parts(parts, i):
+        """``parts[0, i] + ... + parts[blocks, i]``, written out (a loop in the kernel is a TIR loop)."""
+        total = parts[0, i]
+        for part in range(1, blocks + 1):
+            total = total + parts[part, i]
+        return total
+
+    @T.prim_func
+    def chunk_backward_kernel(
+        do: T.Tensor((tokens, HV, V), dtype),
+        v: T.Tensor((tokens, HV, V), dtype),
+        k: T.Tensor((tokens, H, K), dtype),
+        G: T.Tensor((NT, HV, C, K), f32),
+        beta: T.Tensor((NT, HV, C), f32),
+        T_inv: T.Tensor((NT, HV, C, C), f32),  # T = (I + A_kk)^-1 (`T` names TileLang's language here)
+        M: T.Tensor((NT, HV, C, C), f32),
+        h: T.Tensor((NT, HV, K, V), dtype),
+        dh: T.Tensor((NT, HV, K, V), f32),
+        v_new: T.Tensor((NT, HV, C, V), dtype),
+        dv_new: T.Tensor((NT, HV, C, V), f32),
+        q_e: T.Tensor((NT, HV, C, K), dtype),
+        k_g: T.Tensor((NT, HV, C, K), dtype),
+        chunk_starts: T.Tensor((NT,), "int32"),
+        chunk_seq_ends: T.Tensor((NT,), "int32"),
+        dv: T.Tensor((tokens, HV, V), dtype),  # out
+        dq_c: T.Tensor((NT, HV, C, K), f32),  # out
+        dk_c: T.Tensor((NT, HV, C, K), f32),  # out
+        dG_c: T.Tensor((NT, HV, C, K), f32),  # out
+        dP_qk: T.Tensor((NT, HV, C, C), f32),  # out
+        dP_kk: T.Tensor((NT, HV, C, C), f32),  # out
+        dbeta_c: T.Tensor((NT, HV, C), f32),  # out
+    ):
+        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+            # computed once: as an expression it was inlined into every index, as 64-bit divisions
+            head = T.alloc_var("int32", init=hv // group)
+            start = chunk_starts[c]
+            end = chunk_seq_ends[c]
+            # the value side, for the whole chunk
+            do_s = T.alloc_shared((C, V), dtype)
+            v_s = T.alloc_shared((C, V), dtype)
+            vn_s = T.alloc_shared((C, V), dtype)
+            dvn_hi = T.alloc_shared((C, V), dtype)
+            dvn_lo = T.alloc_shared((C, V), dtype)
+            T_hi = T.alloc_shared((C, C), dtype)
+            T_lo = T.alloc_shared((C, C), dtype)
+            b_s = T.alloc_shared((C,), f32)
+            # dbeta's parts, one row each: the value side's, then each key block's. A loop over fewer
+            # elements than threads gives an element to several threads, so shared memory is only ever
+            # written with values (all threads write the same), never read-modified-written
+            db_parts = T.alloc_shared((blocks + 1, C), f32)
+            dA = T.alloc_fragment((C, C), f32)  # do v_new^T
+            dT = T.alloc_fragment((C, C), f32)  # dT / beta_j, until every key column is in
+            dY = T.alloc_fragment((C, V), f32)
+            row_sum = T.alloc_fragment((C,), f32)
+            # a block of key columns
+            h_s = T.alloc_shared((BK, V), dtype)
+            dh_hi = T.alloc_shared((BK, V), dtype)
+            dh_lo = T.alloc_shared((BK, V), dtype)
+            G_s = T.alloc_shared((C, BK), f32)
+            k_s = T.alloc_shared((C, BK), dtype)
+            x_hi = T.alloc_shared((C, BK), dtype)  # k exp(G): X without beta
+            x_lo = T.alloc_shared((C, BK), dtype)
+            dw_hi = T.alloc_shared((C, BK), dtype)
+            dw_lo = T.alloc_shared((C, BK), dtype)
+            dG_s = T.alloc_shared((C, BK), f32)  # dG's block, finished by the last row's column sums
+            kg_dkg = T.alloc_shared((C, BK), f32)
+            dgl_s = T.alloc_shared((BK,), f32)
+            last_s = T.alloc_shared((BK,), f32)  # what dG's last row adds on the block's columns
+            dqe = T.alloc_fragment((C, BK), f32)
+            dw = T.alloc_fragment((C, BK), f32)  # dv_new h^T = -dw
+            dkg = T.alloc_fragment((C, BK), f32)
+            dX = T.alloc_fragment((C, BK), f32)
+            db_part = T.alloc_fragment((C, BK), f32)
+            dh_h = T.alloc_fragment((BK, V), f32)
+            dgl = T.alloc_fragment((BK,), f32)
+            # the inverse's gradient
+            dT_hi = T.alloc_shared((C, C), dtype)
+            dT_lo = T.alloc_shared((C, C), dtype)
+            U_hi = T.alloc_shared((C, C), dtype)
+            U_lo = T.alloc_shared((C, C), dtype)
+            U = T.alloc_fragment((C, C), f32)  # T^T dT
+            R = T.alloc_fragment((C, C), f32)  # T^T dT T^T = -dA_kk
+            dbm = T.alloc_fragment((C, C), f32)
+
+            for i, j in T.Parallel(C, V):
+                ok = start + i < end
+                do_s[i, j] = T.if_then_else(ok, do[start + i, hv, j], T.cast(0, dtype))
+                v_s[i, j] = T.if_then_else(ok, v[start + i, hv, j], T.cast(0, dtype))
+                x = dv_new[c, hv, i, j]
+                dvn_hi[i, j] = high(x)
+                dvn_lo[i, j] = low(x)
+            T.copy(v_new[c, hv, 0, 0], vn_s)
+            for i, j in T.Parallel(C, C):
+                t = T_inv[c, hv, i, j]
+                T_hi[i, j] = high(t)
+                T_lo[i, j] = low(t)
+            for i in T.Parallel(C):
+                b_s[i] = beta[c, hv, i]
+
+            T.gemm(do_s, vn_s, dA, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):  # stored at once: dA's registers are free for the key loop
+                dP_qk[c, hv, i, j] = T.if_then_else(j <= i, scale * dA[i, j], 0.0)
+            T.gemm(dvn_hi, v_s, dT, transpose_B=True, clear_accum=True)
+            T.gemm(dvn_lo, v_s, dT, transpose_B=True)
+            T.gemm(T_hi, dvn_hi, dY, transpose_A=True, clear_accum=True)  # dY = T^T dv_new
+            T.gemm(T_hi, dvn_lo, dY, transpose_A=True)
+            T.gemm(T_lo, dvn_hi, dY, transpose_A=True)
+            for i, j in T.Parallel(C, V):
+                if start + i < end:
+                    dv[start + i, hv, j] = T.cast(b_s[i] * dY[i, j], dtype)
+                dY[i, j] = dY[i, j] * T.cast(v_s[i, j], f32)
+            T.reduce_sum(dY, row_sum, dim=1)
+            for i in T.Parallel(C):
+                db_parts[0, i] = row_sum[i]
+
+            for kb in T.serial(blocks):
+                k0 = kb * BK
+                T.copy(h[c, hv, k0, 0], h_s)
+                T.copy(G[c, hv, 0, k0], G_s)
+                for i, j in T.Parallel(BK, V):
+                    x = dh[c, hv, k0 + i, j]
+                    dh_hi[i, j] = high(x)
+                    dh_lo[i, j] = low(x)
+                for i, j in T.Parallel(C, BK):
+                    k_s[i, j] = T.if_then_else(start + i < end, k[start + i, head, k0 + j], T.cast(0, dtype))
+                T.gemm(do_s, h_s, dqe, transpose_B=True, clear_accum=True)
+                T.gemm(dvn_hi, h_s, dw, transpose_B=True, clear_accum=True)
+                T.gemm(dvn_lo, h_s, dw, transpose_B=True)
+                T.gemm(vn_s, dh_hi, dkg, transpose_B=True, clear_accum=True)
+                T.gemm(vn_s, dh_lo, dkg, transpose_B=True)
+                for i, j in T.Parallel(BK, V):
+                    dh_h[i, j] = dh[c, hv, k0 + i, j] * T.cast(h_s[i, j], f32)
+                T.reduce_sum(dh_h, dgl, dim=1)
+                for j in T.Parallel(BK):
+                    dgl_s[j] = T.exp(G_s[C - 1, j]) * dgl[j]
+                for i, j in T.Parallel(C, BK):
+                    x = T.cast(k_s[i, j], f32) * T.exp(G_s[i, j])
+                    x_hi[i, j] = high(x)
+                    x_lo[i, j] = low(x)
+                    dw_hi[i, j] = high(-dw[i, j])
+                    dw_lo[i, j] = low(-dw[i, j])
+                T.gemm(dw_hi, x_hi, dT, transpose_B=True)
+                T.gemm(dw_hi, x_lo, dT, transpose_B=True)
+                T.gemm(dw_lo, x_hi, dT, transpose_B=True)
+                T.gemm(T_hi, dw_hi, dX, transpose_A=True, clear_accum=True)  # dX = T^T dw
+                T.gemm(T_hi, dw_lo, dX, transpose_A=True)
+                T.gemm(T_lo, dw_hi, dX, transpose_A=True)
+                for i, j in T.Parallel(C, BK):
+                    e_G = T.exp(G_s[i, j])
+                    k_eG = T.cast(k_s[i, j], f32) * e_G
+                    kg_dk = T.cast(k_g[c, hv, i, k0 + j], f32) * dkg[i, j]
+                    dq_c[c, hv, i, k0 + j] = scale * e_G * dqe[i, j]
+                    dk_c[c, hv, i, k0 + j] = b_s[i] * e_G * dX[i, j] + T.exp(G_s[C - 1, j] - G_s[i, j]) * dkg[i, j]
+                    dG_s[i, j] = dX[i, j] * b_s[i] * k_eG + T.cast(q_e[c, hv, i, k0 + j], f32) * dqe[i, j] - kg_dk
+                    kg_dkg[i, j] = kg_dk
+                    db_part[i, j] = dX[i, j] * k_eG
+                T.reduce_sum(db_part, row_sum, dim=1)
+                for i in T.Parallel(C):
+                    db_parts[kb + 1, i] = row_sum[i]
+                # G_last is the sum of every row's log decay: the last row takes the column sums (one
+                # thread a column, down the chunk in shared memory)
+                for j in T.Parallel(BK):
+                    total = T.alloc_var(f32)
+                    total = dgl_s[j]
+                    for i in T.serial(C):
+                        total += kg_dkg[i, j]
+                    last_s[j] = total
+                for i, j in T.Parallel(C, BK):
+                    dG_c[c, hv, i, k0 + j] = dG_s[i, j] + T.if_then_else(i == C - 1, last_s[j], 0.0)
+
+            for i, j in T.Parallel(C, C):
+                x = dT[i, j] * b_s[j]
+                dT_hi[i, j] = high(x)
+                dT_lo[i, j] = low(x)
+            T.gemm(T_hi, dT_hi, U, transpose_A=True, clear_accum=True)  # U = T^T dT
+            T.gemm(T_hi, dT_lo, U, transpose_A=True)
+            T.gemm(T_lo, dT_hi, U, transpose_A=True)
+            for i, j in T.Parallel(C, C):
+                U_hi[i, j] = high(U[i, j])
+                U_lo[i, j] = low(U[i, j])
+            T.gemm(U_hi, T_hi, R, transpose_B=True, clear_accum=True)  # R = U T^T
+            T.gemm(U_hi, T_lo, R, transpose_B=True)
+            T.gemm(U_lo, T_hi, R, transpose_B=True)
+            for i, j in T.Parallel(C, C):
+                dA_kk = T.if_then_else(j < i, -R[i, j], 0.0)
+                dP_kk[c, hv, i, j] = b_s[i] * dA_kk
+                dbm[i, j] = dA_kk * M[c, hv, i, j]
+            T.reduce_sum(dbm, row_sum, dim=1)
+            for i in T.Parallel(C):
+                dbeta_c[c, hv, i] = row_sum[i] + sum_of_parts(db_parts, i)
+
+    return chunk_backward_kernel

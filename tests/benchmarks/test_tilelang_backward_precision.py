@@ -1,0 +1,61 @@
+"""benchmarks/tilelang_backward_precision.py's replay of the tilelang backward: with no rounding it is the exact
+chain rule of the chunked algorithm, so it must equal the float64 reference's gradients (what makes its
+per-rounding figures worth reading); with the shipped roundings it must differ at the inputs' precision."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kda.spec import CaseClass
+from kda.verify.cases import VerificationCase, make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location(
+    "tilelang_backward_precision", ROOT / "benchmarks" / "tilelang_backward_precision.py"
+)
+assert spec is not None and spec.loader is not None
+precision = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(precision)
+
+
+def tiny(key: str, seed: int, T: int = 45):
+    """A verifier draw of `key` at K = 16, V = 8: two chunks of 32 and a ragged one (T = 45 at c32)."""
+    case = VerificationCase(CaseClass.from_key(key), "realistic", 2, 2, 2, 16, 8, (T, T), "bfloat16", seed=seed)
+    return make_inputs(case, "cpu")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "safe/l2/sig/bf16/dense/mha/h0+ht/c32/d64/train",
+        "softplus/l2/sig/bf16/dense/mha/ht/c32/d64/train",
+        "pregated/qk/sig/bf16/dense/mha/h0/c32/d64/train",
+        "sigmoid/l2/beta/bf16/dense/mha/nostate/c32/d64/train",
+    ],
+)
+def test_the_unrounded_replay_is_the_reference(key):
+    kwargs, upstream = tiny(key, seed=7)
+    ref = precision.reference_gradients(kwargs, upstream)
+    grads = precision.replay(kwargs, upstream, frozenset())
+    errors = precision.errors_of(grads, ref)
+    assert set(errors) >= {"dq", "dk", "dv", "dg", "dbeta"}
+    assert max(errors.values()) < 1e-12, errors
+
+
+def test_the_shipped_roundings_show_at_bf16_precision():
+    kwargs, upstream = tiny("safe/l2/sig/bf16/dense/mha/h0+ht/c32/d64/train", seed=8)
+    ref = precision.reference_gradients(kwargs, upstream)
+    shipped = precision.errors_of(precision.replay(kwargs, upstream, precision.SHIPPED), ref)
+    assert "dA_log" in shipped and all(1e-5 < e < 5e-2 for e in shipped.values()), shipped
+    # the backward's own split operands alone are near fp32: far below one bf16 rounding
+    split = precision.errors_of(precision.replay(kwargs, upstream, frozenset({"bwd_split"})), ref)
+    assert max(split.values()) < 1e-4, split
+
+
+def test_the_configurations_keep_each_rounding_exact_in_turn():
+    configs = dict(precision.configurations(["h", "q_e"]))
+    assert configs["shipped"] == precision.SHIPPED and configs["all exact"] == frozenset()
+    assert configs["exact h"] == precision.SHIPPED - {"h"}

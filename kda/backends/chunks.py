@@ -3,7 +3,8 @@
 Every kernel works on the flattened token axis (``B*T`` tokens for a dense batch, ``T`` for varlen). A
 sequence ``n`` spans tokens ``[bounds[n], bounds[n+1])``; its chunks start every ``C`` tokens from
 ``bounds[n]`` and the last one may be partial. Chunks never straddle two sequences. Shared by the backends
-whose kernels walk chunks (triton, helion, tilelang), with the outputs' delivery; plain torch, no kernel code.
+whose kernels walk chunks (triton, helion, tilelang), with the outputs' delivery and the gradients'
+assembly; plain torch, no kernel code.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kda.backends.base import KDAInputs, KDAOutputs
+from kda.backends.base import KDAGradients, KDAInputs, KDAOutputs
 from kda.errors import KDAInputError
 from kda.spec import KDASpec, cu_seqlens_violation
 
@@ -110,3 +111,37 @@ def per_chunk_states(h: torch.Tensor, num_chunks: int, B: int, spec: KDASpec) ->
     if spec.state_v_first:
         per_chunk = per_chunk.transpose(-1, -2)
     return per_chunk.to(spec.dtype).contiguous()
+
+
+def gradients(
+    inputs: KDAInputs,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dg32: torch.Tensor,
+    dbeta: torch.Tensor,
+    dA_rows: torch.Tensor,
+    dh0: torch.Tensor | None,
+) -> KDAGradients:
+    """The gradients in the shapes and dtypes of the inputs as passed, from a backward's token-major parts
+    (``dq``, ``dk``, ``dv``, ``dbeta``; ``dg32 [tokens, HV, K]`` fp32) and its per-row parts of ``dA_log``
+    (``dA_rows [NT, HV, C]`` fp32). The sums over tokens (``ddt_bias``, ``dA_log``) are torch sums: a fixed
+    order, no atomics."""
+    dA_log = ddt_bias = dinitial_state = None
+    if inputs.A_log is not None:
+        dA_log = dA_rows.sum(dim=(0, 2)).to(inputs.A_log.dtype)
+    if inputs.dt_bias is not None:
+        ddt_bias = dg32.sum(dim=0).reshape(inputs.dt_bias.shape).to(inputs.dt_bias.dtype)
+    if inputs.initial_state is not None:
+        assert dh0 is not None
+        dinitial_state = dh0.to(inputs.initial_state.dtype)
+    return KDAGradients(
+        dq=dq.view_as(inputs.q),
+        dk=dk.view_as(inputs.k),
+        dv=dv.view_as(inputs.v),
+        dg=dg32.to(inputs.g.dtype).view_as(inputs.g),
+        dbeta=dbeta.view_as(inputs.beta),
+        dA_log=dA_log,
+        ddt_bias=ddt_bias,
+        dinitial_state=dinitial_state,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kda.backends import chunks
 from kda.backends.base import KDAGradients, KDAInputs
 from kda.backends.helion import chunk_backward, forward, runtime, score_backward, state_backward, tails
 from kda.spec import KDASpec
@@ -83,22 +84,4 @@ def helion_backward(
         for grad in (dv, dg32, dbeta, dq, dk):
             grad.zero_()
 
-    dA_log = ddt_bias = None
-    if inputs.A_log is not None:
-        dA_log = dA_rows.sum(dim=(0, 2)).to(inputs.A_log.dtype)
-    if inputs.dt_bias is not None:
-        ddt_bias = dg32.sum(dim=0).reshape(inputs.dt_bias.shape).to(inputs.dt_bias.dtype)
-    dinitial_state = None
-    if inputs.initial_state is not None:
-        assert dh0 is not None
-        dinitial_state = dh0.to(inputs.initial_state.dtype)
-    return KDAGradients(
-        dq=dq.view_as(inputs.q),
-        dk=dk.view_as(inputs.k),
-        dv=dv.view_as(inputs.v),
-        dg=dg32.to(inputs.g.dtype).view_as(inputs.g),
-        dbeta=dbeta.view_as(inputs.beta),
-        dA_log=dA_log,
-        ddt_bias=ddt_bias,
-        dinitial_state=dinitial_state,
-    )
+    return chunks.gradients(inputs, dq, dk, dv, dg32, dbeta, dA_rows, dh0)

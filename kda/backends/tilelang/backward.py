@@ -27,23 +27,26 @@ from kda.backends.base import KDAGradients, KDAInputs
 from kda.backends.tilelang import chunk_backward, score_backward, state_backward, tails
 from kda.spec import KDASpec
 
-BV = 64  # value columns per program of the reverse state pass
 
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def specializations(spec: KDASpec, gate_params: tuple[Any, ...]) -> list[tuple[str, Any, tuple[Any, ...]]]:
-    """The backward's kernels with their compile-time parameters (``gate_params`` as the forward's `intra`
-    takes them: gate mode, dt_bias, beta sigmoid, the gate's and beta's dtypes, lower bound, beta scale)."""
+def specializations(spec: KDASpec, dtype: str, gate_params: tuple[Any, ...]) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """The backward's kernels with their compile-time parameters (``dtype`` the inputs' dtype name and
+    ``gate_params`` as the forward's `intra` takes them: gate mode, dt_bias, beta sigmoid, the gate's and
+    beta's dtypes, lower bound, beta scale)."""
     C, K, V = spec.chunk_size, spec.K, spec.V
-    dtype = _dtype_name(spec.dtype)
     return [
         (
             "state_backward",
             state_backward.build,
-            (C, K, V, min(BV, V), dtype, spec.output_final_state, spec.initial_state is not None, spec.state_v_first),
+            (
+                C,
+                K,
+                V,
+                state_backward.block_v(K, V),
+                dtype,
+                spec.output_final_state,
+                spec.initial_state is not None,
+                spec.state_v_first,
+            ),
         ),
         ("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale))),
         ("score_backward", score_backward.build, (C, K, dtype)),

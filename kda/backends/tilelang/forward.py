@@ -69,7 +69,7 @@ def specializations(spec: KDASpec) -> list[Kernel]:
     if train:
         from kda.backends.tilelang.backward import specializations as backward_specializations
 
-        kernels += [Kernel(*kernel) for kernel in backward_specializations(spec, gate_params)]
+        kernels += [Kernel(*kernel) for kernel in backward_specializations(spec, dtype, gate_params)]
     return kernels
 
 

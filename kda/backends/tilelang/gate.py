@@ -37,17 +37,24 @@ PREGATED, SOFTPLUS, SIGMOID, SAFE = 0, 1, 2, 3  # values of `gate`
 ROWS = 16  # rows per summation block
 
 
+def log_decay(x, bias, A, gate: int, lower_bound: float):
+    """``a_t`` of one raw gate element ``x`` before the floor (fp32; ``bias`` its ``dt_bias`` or None,
+    ``A = exp(A_log[hv])``), as an expression. The backward's `tails` evaluates the same expression, so that
+    its floor comparison decides exactly as the forward's did."""
+    if gate == PREGATED:
+        return x
+    if bias is not None:
+        x = x + bias
+    if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
+        return -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
+    return lower_bound * T.sigmoid(A * x)
+
+
 def activation(x, bias, A, gate: int, lower_bound: float):
-    """``a_t`` of one raw gate element ``x`` (fp32; ``bias`` its ``dt_bias`` or None, ``A = exp(A_log[hv])``),
-    as an expression: the caller's load loop evaluates it as each element arrives, before the block's first
-    barrier, so that the gate's loads are in flight together with the chunk's other loads."""
-    if gate != PREGATED:
-        if bias is not None:
-            x = x + bias
-        if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
-            x = -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
-        else:
-            x = lower_bound * T.sigmoid(A * x)
+    """``a_t`` of one raw gate element ``x``: `log_decay` with the floor, as an expression. The caller's load
+    loop evaluates it as each element arrives, before the block's first barrier, so that the gate's loads
+    are in flight together with the chunk's other loads."""
+    x = log_decay(x, bias, A, gate, lower_bound)
     if gate != SAFE:
         x = T.if_then_else(x < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, x)
     return x

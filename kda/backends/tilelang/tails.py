@@ -37,7 +37,7 @@ import functools
 
 import tilelang.language as T
 
-from kda.backends.tilelang.gate import PREGATED, ROWS, SAFE, SIGMOID, SOFTPLUS
+from kda.backends.tilelang.gate import PREGATED, ROWS, SAFE, SIGMOID, SOFTPLUS, log_decay
 from kda.reference import LOG_DECAY_FLOOR
 
 F32 = "float32"
@@ -47,14 +47,6 @@ def threads_for(C: int, K: int) -> int:
     """Threads of a block: 32 elements of the ``[C, K]`` tile a thread (128 to 512 threads). A memory-bound
     kernel wants many warps in flight: at 64 elements a thread `qk_tail` took 149 registers, 78 at 32."""
     return max(128, min(512, C * K // 32))
-
-
-def log_decay(z, A, gate: int, lower_bound: float):
-    """``a`` before the floor, the very expression of `gate.activation` (same operations, same order), so
-    that the floor comparison here decides exactly as the forward's did. ``z`` already has its bias."""
-    if gate == SOFTPLUS:  # log(1 + e^z) without overflow (torch's threshold, 20)
-        return -A * T.if_then_else(z > 20.0, z, T.log1p(T.exp(T.min(z, 20.0))))
-    return lower_bound * T.sigmoid(A * z)
 
 
 @functools.cache
@@ -135,7 +127,7 @@ def build_gate_tail(
                     z = T.if_then_else(ok, T.cast(g[start + i, hv, j], F32), 0.0)
                     if has_dt_bias:
                         z = z + dt_bias[hv, j]
-                    a = log_decay(z, A, gate_mode, lower_bound)
+                    a = log_decay(z, None, A, gate_mode, lower_bound)  # z has its bias already
                     da = da_s[i, j]
                     if gate_mode == SOFTPLUS:
                         dz = T.if_then_else(a < LOG_DECAY_FLOOR, 0.0, da * (-A * T.sigmoid(z)))

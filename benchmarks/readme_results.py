@@ -195,8 +195,9 @@ def section(snapshot: Path) -> list[str]:
         f"### {data['gpu']['name']}, kda {data['kda']} (`{where}/`)",
         "",
         "Versions: " + ", ".join(f"{k} {versions[k]}" for k in shown if versions.get(k)) + ". "
-        "Median of `triton.testing.do_bench` over 3 rounds, warm-up excluded, bf16; FLA re-measured in the same "
-        "process as every row beside it. `auto` is kda's choice among the verified backends (after `--tune`). "
+        "Median of `triton.testing.do_bench` over 3 rounds, warm-up excluded, bf16; each speed is against FLA "
+        "re-measured in the same process as that figure (the FLA column is its latest run; a shape's cells may "
+        "come from runs on several dates). `auto` is kda's choice among the verified backends (after `--tune`). "
         f"Details, peak memory and cold starts: `{where}/results.md`.",
         "",
     ]

@@ -9,9 +9,11 @@ versions (``env.txt``). It is made from the raw output of ``benchmarks/device/me
         --bench raw/bench/results.json raw/train-bench/results.json \\
         --verify raw/verify/verify.json --env raw/env.txt
 
-Bench rows are merged by (shape, mode): the last file that measured a shape in a mode supplies all of
-its rows, so a re-measured shape replaces the old rows whole and every row's ``pct_fla`` is the ratio to
-FLA timed in its own process. Each row keeps the date of the run that measured it. Verification results are merged by (backend, case class)
+Bench rows are merged by (shape, mode, backend): the last file that measured a backend at a shape in a
+mode supplies its row, so a run that times only some backends (a new one beside FLA, say) adds or replaces
+those rows and keeps the others. Every row carries its own FLA time (``fla_median_ms``, FLA timed in the
+row's own process) and its ``pct_fla`` against it, so a ratio never mixes processes; a row without FLA
+beside it in its run is refused. Each row keeps the date of the run that measured it. Verification results are merged by (backend, case class)
 the same way. README.md's "Measured" section is then regenerated with ``python benchmarks/readme_results.py``.
 """
 
@@ -35,31 +37,37 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def merge_bench(paths: list[Path]) -> dict[str, Any]:
-    """One bench payload from several runs. A (shape, mode) comes whole from the last run that measured it,
-    so the rows of one shape and mode, FLA's among them, always share one process."""
+    """One bench payload from several runs. A (shape, mode, backend) row comes from the last run that measured
+    it; each row's ratio is to FLA timed in that row's own run (a run without FLA at that shape is refused)."""
     parts = [_read(p) for p in paths]
     if not parts:
         raise SystemExit("snapshot: give at least one --bench results.json")
     mixed = results.mixed_runs(parts)
     if mixed is not None:  # a snapshot states one GPU and one set of versions for all its rows
         raise SystemExit(f"snapshot: {paths[mixed]} was measured on another GPU or with other versions than {paths[0]}")
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for part in parts:
-        fresh: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for path, part in zip(paths, parts, strict=True):
+        with_fla = {(r["shape"], r["mode"]) for r in part["rows"] if r["backend"] == "baseline:fla"}
         for row in part["rows"]:
-            fresh.setdefault((row["shape"], row["mode"]), []).append(
-                {**row, "measured": row.get("measured", part["date"])}
-            )
-        groups.update(fresh)
+            if (row["shape"], row["mode"]) not in with_fla:
+                raise SystemExit(f"snapshot: {path} times {row['shape']} {row['mode']} without baseline:fla beside it")
+            merged[(row["shape"], row["mode"], row["backend"])] = {**row, "measured": row.get("measured", part["date"])}
+    order: dict[tuple[str, str], int] = {}
+    for shape, mode, _ in merged:
+        order.setdefault((shape, mode), len(order))
     last = parts[-1]
-    runs = [{k: v for k, v in p["settings"].items() if k not in ("merged_from", "runs")} for p in parts]
+    runs: list[dict[str, Any]] = []
+    for part in parts:  # a snapshot given as an input keeps the settings of the runs it was merged from
+        settings = part["settings"]
+        runs += [run for run in settings.get("runs", [settings]) if run]
     return {
         "kda": last["kda"],
         "date": max(p["date"] for p in parts),
         "gpu": last["gpu"],
         "versions": last["versions"],
         "settings": {"runs": runs},
-        "rows": [row for rows in groups.values() for row in rows],
+        # a shape's rows together, in the order shapes, modes and backends first appeared
+        "rows": sorted(merged.values(), key=lambda r: order[(r["shape"], r["mode"])]),
     }
 
 

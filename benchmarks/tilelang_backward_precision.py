@@ -58,8 +58,9 @@ ROUNDINGS: dict[str, str] = {
     "XY": "beta k exp(G) and beta v rounded to the inputs' dtype as the operands of w and u",
     "w": "w stored in the inputs' dtype",
     "u": "u stored in the inputs' dtype",
-    "q_e": "q_e stored in the inputs' dtype",
-    "k_g": "k_g stored in the inputs' dtype",
+    "q_e": "q_e stored in the inputs' dtype (the state backward's operand)",
+    "k_g": "k_g stored in the inputs' dtype (the forward's state update and the state backward read it)",
+    "dG_reads": "q_e and k_g as chunk_backward's dG terms read them, in the inputs' dtype",
     "A_qk": "A_qk stored in the inputs' dtype",
     "state_op": "the state rounded each chunk as the forward's operand (v_new = u - w h, o = q_e h + ...)",
     "h": "h (the state entering each chunk) saved in the inputs' dtype for the backward",
@@ -70,9 +71,9 @@ ROUNDINGS: dict[str, str] = {
 SHIPPED = frozenset(ROUNDINGS)
 # Kept exact together: candidate fixes (what the backward reads, stored in fp32 or recomputed), and the
 # forward's own operand roundings (what any bf16 forward makes) as one group.
-STORED = ("w", "q_e", "k_g", "A_qk", "h", "v_new")
+STORED = ("w", "q_e", "k_g", "dG_reads", "A_qk", "h", "v_new")
 FORWARD = ("rows", "scores", "inverse", "T_wu", "XY", "u", "state_op")
-COMBINATIONS = (("q_e", "k_g"), ("h", "q_e", "k_g"), STORED, FORWARD, (*FORWARD, *STORED))
+COMBINATIONS = (("q_e", "k_g", "dG_reads"), ("h", "q_e", "k_g", "dG_reads"), STORED, FORWARD, (*FORWARD, *STORED))
 
 DEFAULT_CLASSES = (
     "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/train",
@@ -327,8 +328,8 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                 X, Y = bc[:, None] * kc * G.exp(), bc[:, None] * vc
                 w = rnd(T_h @ rnd(X, dtype, "XY" in on), dtype, "w" in on)
                 u = rnd(T_h @ rnd(Y, dtype, "XY" in on), dtype, "u" in on)
-                q_e = rnd(scale * qc * G.exp(), dtype, "q_e" in on)
-                k_g = rnd(kc * (G[-1] - G).exp(), dtype, "k_g" in on)
+                q_e_f, k_g_f = scale * qc * G.exp(), kc * (G[-1] - G).exp()
+                q_e, k_g = rnd(q_e_f, dtype, "q_e" in on), rnd(k_g_f, dtype, "k_g" in on)
                 h_op, h_saved = rnd(S, dtype, "state_op" in on), rnd(S, dtype, "h" in on)
                 v_new = rnd(u - w @ h_op, dtype, "v_new" in on)
                 S = S * G[-1].exp()[:, None] + k_g.T @ v_new
@@ -348,6 +349,8 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                         A_qk=rnd(A_qk_f, dtype, "A_qk" in on),
                         q_e=q_e,
                         k_g=k_g,
+                        q_e_dG=rnd(q_e_f, dtype, "dG_reads" in on),
+                        k_g_dG=rnd(k_g_f, dtype, "dG_reads" in on),
                         w=w,
                         v_new=v_new,
                         h=h_saved,
@@ -362,7 +365,7 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
             dh0[b, hv] = dS
             for s in saved:
                 G, bc, qc, kc, vc, Tm, h = s["G"], s["beta"], s["q"], s["k"], s["v"], s["T"], s["h"]
-                dvn, dh, q_e, k_g = s["dv_new"], s["dh"], s["q_e"], s["k_g"]
+                dvn, dh, q_e, k_g = s["dv_new"], s["dh"], s["q_e_dG"], s["k_g_dG"]
                 E = G.exp()
                 Xk = kc * E  # k exp(G): X = beta Xk
                 # chunk_backward

@@ -90,9 +90,45 @@ def test_each_figure_comes_from_its_row_with_the_same_process_ratio(tmp_path):
     pytest.importorskip("rich")
     assert snapshot.main(["--out", str(out), "--bench", str(raw / "old.json"), str(raw / "new.json")]) == 0
     block = readme_results.render(results)
-    # the re-measured shape replaced the old rows whole: FLA 3.00, triton 1.50 at 2.00x, auto chose triton
+    # the re-measured backends replaced their old rows: FLA 3.00, triton 1.50 at 2.00x, auto chose triton
     assert "| B1_T64_H1_D64 | 3.00 | 1.50 (2.00x) | 1.60 (1.88x) → triton | 2026-02-01 |" in block
     assert "4.00" not in block and "0.50x" not in block
+
+
+def test_a_run_of_one_new_backend_keeps_the_others_each_against_its_own_fla(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    old = _payload(
+        [_row("B1_T64_H1_D64", "baseline:fla", 2.0, 2.0), _row("B1_T64_H1_D64", "triton", 4.0, 2.0)], "2026-01-01"
+    )
+    new = _payload(
+        [_row("B1_T64_H1_D64", "baseline:fla", 3.0, 3.0), _row("B1_T64_H1_D64", "tilelang", 1.0, 3.0)], "2026-02-01"
+    )
+    (raw / "old.json").write_text(json.dumps(old))
+    (raw / "new.json").write_text(json.dumps(new))
+    merged = snapshot.merge_bench([raw / "old.json", raw / "new.json"])
+    by_backend = {row["backend"]: row for row in merged["rows"]}
+    assert set(by_backend) == {"baseline:fla", "triton", "tilelang"}
+    # triton keeps its ratio to the FLA of its own run (2.0 / 4.0), tilelang has its own (3.0 / 1.0)
+    assert by_backend["triton"]["fla_median_ms"] == 2.0 and by_backend["triton"]["measured"] == "2026-01-01"
+    assert by_backend["tilelang"]["fla_median_ms"] == 3.0 and by_backend["baseline:fla"]["median_ms"] == 3.0
+    results = tmp_path / "results"
+    pytest.importorskip("rich")
+    assert (
+        snapshot.main(
+            ["--out", str(results / "gpu" / "9.9.9"), "--bench", str(raw / "old.json"), str(raw / "new.json")]
+        )
+        == 0
+    )
+    block = readme_results.render(results)
+    assert "| B1_T64_H1_D64 | 3.00 | 4.00 (0.50x) | 1.00 (3.00x) | 2026-01-01, 2026-02-01 |" in block
+
+
+def test_a_snapshot_refuses_a_row_without_fla_in_its_own_run(tmp_path):
+    alone = _payload([_row("B1_T64_H1_D64", "tilelang", 1.0, 3.0)], "2026-02-01")
+    (tmp_path / "alone.json").write_text(json.dumps(alone))
+    with pytest.raises(SystemExit, match="without baseline:fla"):
+        snapshot.merge_bench([tmp_path / "alone.json"])
 
 
 def test_a_snapshot_refuses_runs_of_other_versions(tmp_path):

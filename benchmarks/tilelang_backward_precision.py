@@ -4,12 +4,13 @@
         [--class KEY ...] [--config NAME ...] [--seed N ...] [--check]
 
 The tilelang training path is checked on a GPU only, where ``dA_log`` missed its tolerance on bf16 classes
-with the l2norm. This script says, without a GPU, which rounding makes it miss: it computes the training
-forward's saved intermediates chunk by chunk as `kda/backends/tilelang` does (`forward.py`, `intra.py`),
-then the backward's math (`state_backward`, `chunk_backward`, `score_backward`, `tails`: the formulas of
-their docstrings) from those saved tensors, in float64 arithmetic, with each rounding of the shipped
-path a switch (`ROUNDINGS`). For each configuration (every rounding as shipped; each one kept exact in
-turn; a few combinations; none) it prints ``dA_log``'s relative error against the float64 reference
+with the l2norm (version 5, every intermediate in the inputs' dtype). This script says, without a GPU,
+which rounding makes it miss: it computes the training forward's saved intermediates chunk by chunk as
+`kda/backends/tilelang` does (`forward.py`, `intra.py`), then the backward's math (`state_backward`,
+`chunk_backward`, `score_backward`, `tails`: the formulas of their docstrings) from those saved tensors,
+in float64 arithmetic, with each rounding a switch (`ROUNDINGS`; `SHIPPED` is the current version's,
+`VERSION_5` all of them). For each configuration (as shipped; version 5; each shipped rounding kept exact
+in turn; a few combinations; none) it prints ``dA_log``'s relative error against the float64 reference
 (autograd through `kda.reference`), beside the tolerance, and the worst of the other gradients.
 
 With no rounding the replay is the exact chain rule of the chunked algorithm, so it must equal the
@@ -51,7 +52,8 @@ KEY_BLOCK = 64
 
 # Every rounding of the shipped training path (forward and backward), by name.
 ROUNDINGS: dict[str, str] = {
-    "rows": "the l2-normalized q, k rows in the inputs' dtype (forward operands, saved for the backward)",
+    "rows": "the l2-normalized q, k rows in the inputs' dtype as the forward's score operands",
+    "saved_rows": "the l2-normalized rows in the inputs' dtype everywhere else: q_e, k_g, beta k e^G, the backward",
     "scores": "the forward's score products on operands in the inputs' dtype, by strips (A_qk, M = A_kk / beta)",
     "inverse": "T by the doubling Neumann series on bf16 halves (hi + lo) of its fp32 operands",
     "T_wu": "T rounded to the inputs' dtype as the operand of w and u",
@@ -68,12 +70,15 @@ ROUNDINGS: dict[str, str] = {
     "bwd_split": "the backward's fp32 product operands as two halves (hi + lo: 16 bits with bf16, 22 fp16)",
     "outputs": "dq, dk, dv, dbeta returned in the inputs' dtype, dg in g's dtype (dA_log is not rounded)",
 }
-SHIPPED = frozenset(ROUNDINGS)
+VERSION_5 = frozenset(ROUNDINGS)  # every intermediate in the inputs' dtype
+# version 6 keeps in fp32 (or as two halves) what dA_log needs: the rows outside the scores, the operands of
+# w and u, u and v_new, and q_e, k_g where dG reads them
+SHIPPED = VERSION_5 - {"saved_rows", "XY", "u", "v_new", "dG_reads"}
 # Kept exact together: candidate fixes (what the backward reads, stored in fp32 or recomputed), and the
 # forward's own operand roundings (what any bf16 forward makes) as one group.
-STORED = ("w", "q_e", "k_g", "dG_reads", "A_qk", "h", "v_new")
-FORWARD = ("rows", "scores", "inverse", "T_wu", "XY", "u", "state_op")
-COMBINATIONS = (("q_e", "k_g", "dG_reads"), ("h", "q_e", "k_g", "dG_reads"), STORED, FORWARD, (*FORWARD, *STORED))
+STORED = ("w", "q_e", "k_g", "A_qk", "h")
+FORWARD = ("rows", "scores", "inverse", "T_wu", "state_op")
+COMBINATIONS = (("q_e", "k_g"), STORED, FORWARD, (*FORWARD, *STORED))
 
 DEFAULT_CLASSES = (
     "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/train",
@@ -90,8 +95,8 @@ DEFAULT_CLASSES = (
 def configurations(names: Iterable[str] | None = None) -> list[tuple[str, frozenset[str]]]:
     """(label, roundings on): as shipped, each of `names` (default: every rounding) exact in turn, the
     `COMBINATIONS` exact together, and nothing rounded."""
-    names = list(ROUNDINGS) if names is None else list(names)
-    configs = [("shipped", SHIPPED)]
+    names = [name for name in ROUNDINGS if name in SHIPPED] if names is None else list(names)
+    configs = [("shipped", SHIPPED), ("version 5", VERSION_5)]
     configs += [(f"exact {name}", SHIPPED - {name}) for name in names]
     configs += [(f"exact {'+'.join(combo)}", SHIPPED - set(combo)) for combo in COMBINATIONS]
     configs.append(("all exact", frozenset()))
@@ -230,7 +235,7 @@ def reference_gradients(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor
 def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozenset[str]) -> dict[str, torch.Tensor]:
     """The tilelang backward's gradients of a dense call, with the roundings `on` (names of `ROUNDINGS`)
     and every other operation exact (float64)."""
-    unknown = on - SHIPPED
+    unknown = on - VERSION_5
     assert not unknown, f"unknown roundings {sorted(unknown)}"
     assert kwargs.get("cu_seqlens") is None, "dense calls only"
     dtype = kwargs["q"].dtype
@@ -244,9 +249,12 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
     if l2:
         rstd_q = torch.rsqrt((q_in * q_in).sum(-1, keepdim=True) + L2NORM_EPS)
         rstd_k = torch.rsqrt((k_in * k_in).sum(-1, keepdim=True) + L2NORM_EPS)
-        q_hat, k_hat = rnd(q_in * rstd_q, dtype, "rows" in on), rnd(k_in * rstd_k, dtype, "rows" in on)
+        q_exact, k_exact = q_in * rstd_q, k_in * rstd_k
+        q_hat, k_hat = rnd(q_exact, dtype, "saved_rows" in on), rnd(k_exact, dtype, "saved_rows" in on)
+        q_sc, k_sc = rnd(q_exact, dtype, "rows" in on), rnd(k_exact, dtype, "rows" in on)  # the scores' rows
     else:
         q_hat, k_hat = q_in, k_in
+        q_sc, k_sc = q_in, k_in
 
     # the gate and beta, and their derivatives (`gate.activation`, `tails.build_gate_tail`)
     g = kwargs["g"].to(F64)
@@ -314,11 +322,12 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                 bc = chunk_rows(beta[b, :, hv, None], start, C)[:, 0]
                 G = torch.cumsum(ac, dim=0)  # flat past the end
                 D = decays(G, strict=False)
+                q_s, k_s = chunk_rows(q_sc[b, :, hk], start, C), chunk_rows(k_sc[b, :, hk], start, C)
                 if "scores" in on:
-                    A_qk_f, M = strip_scores(qc, kc, G, n, scale, dtype, limit)
+                    A_qk_f, M = strip_scores(q_s, k_s, G, n, scale, dtype, limit)
                 else:
-                    A_qk_f = scale * torch.einsum("ic,jc,ijc->ij", qc, kc, D)
-                    M = torch.where(strict, torch.einsum("ic,jc,ijc->ij", kc, kc, D), 0.0)
+                    A_qk_f = scale * torch.einsum("ic,jc,ijc->ij", q_s, k_s, D)
+                    M = torch.where(strict, torch.einsum("ic,jc,ijc->ij", k_s, k_s, D), 0.0)
                 A_kk = bc[:, None] * M
                 if "inverse" in on:
                     T_inv = neumann_inverse(A_kk)

@@ -2,10 +2,10 @@
 `qk_tail` for q and for k; the math is in each module), from what the training forward saved.
 
 Saved by the forward (`forward.tilelang_forward`): ``q_e``, ``k_g``, ``w [NT, HV, C, K]``,
-``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and ``h [NT, HV, K, V]`` in the inputs' dtype (the values the
-forward multiplied by); ``G [NT, HV, C, K]``, ``G_last [NT, HV, K]``, ``beta [NT, HV, C]``, ``M`` and
-``T [NT, HV, C, C]`` in fp32; the rows ``q``, ``k [tokens, H, K]`` the forward used (normalized with the
-l2norm, with their reciprocal norms ``[tokens, H]``).
+``A_qk [NT, HV, C, C]`` and ``h [NT, HV, K, V]`` in the inputs' dtype (the values the forward multiplied by;
+the state backward reads them); ``v_new [NT, HV, C, V]``, ``G [NT, HV, C, K]``, ``G_last [NT, HV, K]``,
+``beta [NT, HV, C]``, ``M`` and ``T [NT, HV, C, C]`` in fp32; the rows ``q``, ``k [tokens, H, K]`` the forward
+used (normalized with the l2norm, in fp32, with their reciprocal norms ``[tokens, H]``; else the inputs).
 
 Scratch, chunk-major fp32: ``dh [NT, HV, K, V]`` (of the state leaving each chunk), ``dv_new [NT, HV, C, V]``,
 ``dq``/``dk``/``dG`` per value head ``[NT, HV, C, K]`` (`chunk_backward` writes them, `score_backward`
@@ -33,6 +33,7 @@ def specializations(spec: KDASpec, dtype: str, gate_params: tuple[Any, ...]) -> 
     ``gate_params`` as the forward's `intra` takes them: gate mode, dt_bias, beta sigmoid, the gate's and
     beta's dtypes, lower bound, beta scale)."""
     C, K, V = spec.chunk_size, spec.K, spec.V
+    rows = rows_dtype(spec, dtype)
     return [
         (
             "state_backward",
@@ -48,11 +49,17 @@ def specializations(spec: KDASpec, dtype: str, gate_params: tuple[Any, ...]) -> 
                 spec.state_v_first,
             ),
         ),
-        ("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale))),
-        ("score_backward", score_backward.build, (C, K, dtype)),
+        ("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale), rows)),
+        ("score_backward", score_backward.build, (C, K, dtype, rows)),
         ("gate_tail", tails.build_gate_tail, (C, K, *gate_params)),
-        ("qk_tail", tails.build_qk_tail, (C, K, dtype, spec.use_qk_l2norm_in_kernel)),
+        ("qk_tail", tails.build_qk_tail, (C, K, dtype, spec.use_qk_l2norm_in_kernel, rows)),
     ]
+
+
+def rows_dtype(spec: KDASpec, dtype: str) -> str:
+    """The dtype of the q, k rows the backward reads: the l2-normalized rows the training forward saves in
+    fp32, or the inputs themselves."""
+    return "float32" if spec.use_qk_l2norm_in_kernel else dtype
 
 
 def tilelang_backward(
@@ -97,9 +104,8 @@ def tilelang_backward(
         dbeta_c = torch.empty(NT, HV, C, dtype=f32, device=device)
         q, k = saved["q"], saved["k"]
         kernels["chunk_backward"](
-            do, inputs.v.reshape(tokens, HV, V).contiguous(), k, saved["G"], saved["beta"], saved["T"], saved["M"],
-            saved["h"], dh, saved["v_new"], dv_new, saved["q_e"], saved["k_g"], starts, ends,
-            dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
+            do, inputs.v.reshape(tokens, HV, V).contiguous(), q, k, saved["G"], saved["beta"], saved["T"], saved["M"],
+            saved["h"], dh, saved["v_new"], dv_new, starts, ends, dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
         )  # fmt: skip
         kernels["score_backward"](q, k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
         A_log = (

@@ -16,14 +16,17 @@ then, on the normalized rows and the cumulative log decay, everything but the sc
     dk  = beta exp(G) dX + exp(G_last - G) dk_g
     dG  = dX X + q_e dq_e - k_g dk_g,  and on the last row also  sum_i k_g dk_g + exp(G_last) sum_v dh h
 
+with ``q_e = scale q exp(G)`` and ``k_g = k exp(G_last - G)`` formed here in fp32 from the rows and ``G``
+(the forward's bf16 copies, read in ``dG``'s terms, cost ``dA_log`` its tolerance),
+
 and the score matrices' gradients for the score backward: ``dP_qk = scale dA_qk`` (``j <= i``) and
 ``dP_kk = diag(beta) dA_kk``. ``G_last`` is ``G``'s last row (rows past the end hold the last token's value).
 
 Tensors (``tokens``, ``NT``, ``H``, ``HV`` symbolic; value head ``hv`` reads q/k head ``hv // (HV // H)``):
-``do``, ``v`` ``[tokens, HV, V]`` and ``k`` ``[tokens, H, K]`` in the inputs' dtype; chunk-major ``G``
-``[NT, HV, C, K]``, ``beta`` ``[NT, HV, C]``, ``T``, ``M`` ``[NT, HV, C, C]``, ``dh`` ``[NT, HV, K, V]`` and
-``dv_new`` ``[NT, HV, C, V]`` in fp32; ``h`` ``[NT, HV, K, V]``, ``v_new`` ``[NT, HV, C, V]``, ``q_e``, ``k_g``
-``[NT, HV, C, K]`` in the inputs' dtype. Out: ``dv [tokens, HV, V]`` (inputs' dtype, the sequence's rows
+``do``, ``v`` ``[tokens, HV, V]`` in the inputs' dtype; the rows ``q``, ``k`` ``[tokens, H, K]`` in
+`rows_dtype` (fp32 when l2-normalized by the forward, else the inputs); chunk-major ``G``
+``[NT, HV, C, K]``, ``beta`` ``[NT, HV, C]``, ``T``, ``M`` ``[NT, HV, C, C]``, ``dh`` ``[NT, HV, K, V]``,
+``v_new`` and ``dv_new`` ``[NT, HV, C, V]`` in fp32; ``h`` ``[NT, HV, K, V]`` in the inputs' dtype. Out: ``dv [tokens, HV, V]`` (inputs' dtype, the sequence's rows
 only), fp32 ``dq_c``, ``dk_c``, ``dG_c`` ``[NT, HV, C, K]``, ``dP_qk``, ``dP_kk`` ``[NT, HV, C, C]``,
 ``dbeta_c [NT, HV, C]`` (every row; past the end they are what zero ``do``, ``v``, ``k`` give).
 
@@ -34,11 +37,11 @@ An fp32 ``x`` is split into halves in the inputs' dtype, ``hi = round(x)``, ``lo
 (`high`, `low`: 16 significant bits in bf16, 22 in fp16), and
 
 - a product with a 16-bit operand takes two terms, ``hi B + lo B``: ``dv_new v^T``, ``dv_new h^T``
-  (``dw``), ``v_new dh^T`` (``dk_g``);
+  (``dw``), ``do v_new^T`` (``dA_qk``);
 - a product of two fp32 operands takes three, ``A_hi B_hi + A_hi B_lo + A_lo B_hi`` (the dropped
-  ``A_lo B_lo`` is below 2^-16 relative): ``T^T dv_new`` (``dY``), ``dw (k exp(G))^T``, ``T^T dw``
-  (``dX``), ``T^T dT`` and ``(T^T dT) T^T``;
-- ``do v_new^T`` (``dA_qk``) and ``do h^T`` (``dq_e``) are exact products of 16-bit operands.
+  ``A_lo B_lo`` is below 2^-16 relative): ``v_new dh^T`` (``dk_g``), ``T^T dv_new`` (``dY``),
+  ``dw (k exp(G))^T``, ``T^T dw`` (``dX``), ``T^T dT`` and ``(T^T dT) T^T``;
+- ``do h^T`` (``dq_e``) is an exact product of 16-bit operands.
 
 ``beta`` is taken out of the products: ``dT[i, j] = beta_j (dv_new v^T + dw (k exp(G))^T)[i, j]``, so ``v``
 enters as it is (exact) and ``beta`` multiplies the fp32 sum once. In fp16 a half past 65504 overflows; the
@@ -46,17 +49,16 @@ gradients and ``T`` of real inputs stay far below it (and below 6e-5 a half lose
 3e-8). ``sum_v dh h`` reads ``dh`` in fp32. On an H200 the fp32 outputs came within 5e-6 (bf16) and 1.6e-6
 (fp16) of the float64 reference, relative to their norm; one bf16 rounding of an fp32 operand gives ~1e-3.
 
-Order. The value side first, all of ``V`` at once (``do``, ``v``, ``v_new`` and ``dv_new``'s halves stay
+Order. The value side first, all of ``V`` at once (``do``, ``v``, and ``v_new``'s and ``dv_new``'s halves stay
 in shared memory for the whole chunk): ``dA_qk``, ``dY`` (then ``dv`` and the first part of ``dbeta``) and
 ``dT``'s first term. Then ``K`` in blocks of `key_block` columns (``h``, ``dh`` ``[BK, V]`` tiles): ``dq_e``,
 ``dw``, ``dk_g``, ``dX``, the outputs on those columns and ``dT``'s second term (``dT`` needs every key
 column before ``dA_kk``). Last ``dA_kk`` from ``dT``, with the ``M`` part of ``dbeta``.
 
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic. Shared
-memory does not grow with ``K`` (blocked): 156672 bytes a block at C = 64, V = 128 (111616 at V = 64; 86144
-and 57472 at C = 32), so one block an SM at C = 64, V = 128, where nvcc gives 255 registers a thread (256
-threads: the whole register file), with 16 bytes spilled. K = 256 fits; V = 256 fits at C = 32 (143488
-bytes) and not at C = 64 (246784: ``V`` is not tiled).
+memory does not grow with ``K`` (blocked): 185344 bytes a block at C = 64, K = V = 128 with fp32 rows, so
+one block an SM, where nvcc gives 255 registers a thread (256 threads: the whole register file), with 12
+bytes spilled; 25 products, all ``wgmma``. K = 256 fits; V = 256 does not at C = 64 (``V`` is not tiled).
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which mypy cannot read)
@@ -80,7 +82,7 @@ def key_block(K: int) -> int:
 
 
 @functools.cache
-def build(C: int, K: int, V: int, dtype: str, scale: float):
+def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")
     f32 = "float32"
@@ -97,28 +99,20 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
         """What `high` drops, rounded to the inputs' dtype."""
         return T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
 
-    def sum_of_parts(parts, i):
-        """``parts[0, i] + ... + parts[blocks, i]``, written out (a loop in the kernel is a TIR loop)."""
-        total = parts[0, i]
-        for part in range(1, blocks + 1):
-            total = total + parts[part, i]
-        return total
-
     @T.prim_func
     def chunk_backward_kernel(
         do: T.Tensor((tokens, HV, V), dtype),
         v: T.Tensor((tokens, HV, V), dtype),
-        k: T.Tensor((tokens, H, K), dtype),
+        q: T.Tensor((tokens, H, K), rows_dtype),  # the rows the forward used (fp32 when l2-normalized)
+        k: T.Tensor((tokens, H, K), rows_dtype),
         G: T.Tensor((NT, HV, C, K), f32),
         beta: T.Tensor((NT, HV, C), f32),
         T_inv: T.Tensor((NT, HV, C, C), f32),  # T = (I + A_kk)^-1 (`T` names TileLang's language here)
         M: T.Tensor((NT, HV, C, C), f32),
         h: T.Tensor((NT, HV, K, V), dtype),
         dh: T.Tensor((NT, HV, K, V), f32),
-        v_new: T.Tensor((NT, HV, C, V), dtype),
+        v_new: T.Tensor((NT, HV, C, V), f32),
         dv_new: T.Tensor((NT, HV, C, V), f32),
-        q_e: T.Tensor((NT, HV, C, K), dtype),
-        k_g: T.Tensor((NT, HV, C, K), dtype),
         chunk_starts: T.Tensor((NT,), "int32"),
         chunk_seq_ends: T.Tensor((NT,), "int32"),
         dv: T.Tensor((tokens, HV, V), dtype),  # out
@@ -137,7 +131,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
             # the value side, for the whole chunk
             do_s = T.alloc_shared((C, V), dtype)
             v_s = T.alloc_shared((C, V), dtype)
-            vn_s = T.alloc_shared((C, V), dtype)
+            vn_hi = T.alloc_shared((C, V), dtype)  # v_new (fp32) as two halves
+            vn_lo = T.alloc_shared((C, V), dtype)
             dvn_hi = T.alloc_shared((C, V), dtype)
             dvn_lo = T.alloc_shared((C, V), dtype)
             T_hi = T.alloc_shared((C, C), dtype)
@@ -156,7 +151,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
             dh_hi = T.alloc_shared((BK, V), dtype)
             dh_lo = T.alloc_shared((BK, V), dtype)
             G_s = T.alloc_shared((C, BK), f32)
-            k_s = T.alloc_shared((C, BK), dtype)
+            k_s = T.alloc_shared((C, BK), rows_dtype)
+            q_s = T.alloc_shared((C, BK), rows_dtype)
             x_hi = T.alloc_shared((C, BK), dtype)  # k exp(G): X without beta
             x_lo = T.alloc_shared((C, BK), dtype)
             dw_hi = T.alloc_shared((C, BK), dtype)
@@ -188,7 +184,9 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
                 x = dv_new[c, hv, i, j]
                 dvn_hi[i, j] = high(x)
                 dvn_lo[i, j] = low(x)
-            T.copy(v_new[c, hv, 0, 0], vn_s)
+                y = v_new[c, hv, i, j]
+                vn_hi[i, j] = high(y)
+                vn_lo[i, j] = low(y)
             for i, j in T.Parallel(C, C):
                 t = T_inv[c, hv, i, j]
                 T_hi[i, j] = high(t)
@@ -196,7 +194,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
             for i in T.Parallel(C):
                 b_s[i] = beta[c, hv, i]
 
-            T.gemm(do_s, vn_s, dA, transpose_B=True, clear_accum=True)
+            T.gemm(do_s, vn_hi, dA, transpose_B=True, clear_accum=True)
+            T.gemm(do_s, vn_lo, dA, transpose_B=True)
             for i, j in T.Parallel(C, C):  # stored at once: dA's registers are free for the key loop
                 dP_qk[c, hv, i, j] = T.if_then_else(j <= i, scale * dA[i, j], 0.0)
             T.gemm(dvn_hi, v_s, dT, transpose_B=True, clear_accum=True)
@@ -221,12 +220,15 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
                     dh_hi[i, j] = high(x)
                     dh_lo[i, j] = low(x)
                 for i, j in T.Parallel(C, BK):
-                    k_s[i, j] = T.if_then_else(start + i < end, k[start + i, head, k0 + j], T.cast(0, dtype))
+                    ok = start + i < end
+                    k_s[i, j] = T.if_then_else(ok, k[start + i, head, k0 + j], T.cast(0, rows_dtype))
+                    q_s[i, j] = T.if_then_else(ok, q[start + i, head, k0 + j], T.cast(0, rows_dtype))
                 T.gemm(do_s, h_s, dqe, transpose_B=True, clear_accum=True)
                 T.gemm(dvn_hi, h_s, dw, transpose_B=True, clear_accum=True)
                 T.gemm(dvn_lo, h_s, dw, transpose_B=True)
-                T.gemm(vn_s, dh_hi, dkg, transpose_B=True, clear_accum=True)
-                T.gemm(vn_s, dh_lo, dkg, transpose_B=True)
+                T.gemm(vn_hi, dh_hi, dkg, transpose_B=True, clear_accum=True)
+                T.gemm(vn_hi, dh_lo, dkg, transpose_B=True)
+                T.gemm(vn_lo, dh_hi, dkg, transpose_B=True)
                 for i, j in T.Parallel(BK, V):
                     dh_h[i, j] = dh[c, hv, k0 + i, j] * T.cast(h_s[i, j], f32)
                 T.reduce_sum(dh_h, dgl, dim=1)
@@ -247,10 +249,13 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
                 for i, j in T.Parallel(C, BK):
                     e_G = T.exp(G_s[i, j])
                     k_eG = T.cast(k_s[i, j], f32) * e_G
-                    kg_dk = T.cast(k_g[c, hv, i, k0 + j], f32) * dkg[i, j]
+                    e_tail = T.exp(G_s[C - 1, j] - G_s[i, j])
+                    # q_e and k_g in fp32, from the rows and G (their bf16 copies cost dA_log its tolerance)
+                    kg_dk = T.cast(k_s[i, j], f32) * e_tail * dkg[i, j]
+                    q_e_dq = scale * T.cast(q_s[i, j], f32) * e_G * dqe[i, j]
                     dq_c[c, hv, i, k0 + j] = scale * e_G * dqe[i, j]
-                    dk_c[c, hv, i, k0 + j] = b_s[i] * e_G * dX[i, j] + T.exp(G_s[C - 1, j] - G_s[i, j]) * dkg[i, j]
-                    dG_s[i, j] = dX[i, j] * b_s[i] * k_eG + T.cast(q_e[c, hv, i, k0 + j], f32) * dqe[i, j] - kg_dk
+                    dk_c[c, hv, i, k0 + j] = b_s[i] * e_G * dX[i, j] + e_tail * dkg[i, j]
+                    dG_s[i, j] = dX[i, j] * b_s[i] * k_eG + q_e_dq - kg_dk
                     kg_dkg[i, j] = kg_dk
                     db_part[i, j] = dX[i, j] * k_eG
                 T.reduce_sum(db_part, row_sum, dim=1)
@@ -285,7 +290,13 @@ def build(C: int, K: int, V: int, dtype: str, scale: float):
                 dP_kk[c, hv, i, j] = b_s[i] * dA_kk
                 dbm[i, j] = dA_kk * M[c, hv, i, j]
             T.reduce_sum(dbm, row_sum, dim=1)
+            # the parts in a fixed order, by a loop in the kernel (a Python helper that wrote the sum out as
+            # one expression failed intermittently inside TileLang's builder: "missing 2 required arguments")
             for i in T.Parallel(C):
-                dbeta_c[c, hv, i] = row_sum[i] + sum_of_parts(db_parts, i)
+                total = T.alloc_var(f32)
+                total = row_sum[i]
+                for part in T.unroll(blocks + 1):
+                    total += db_parts[part, i]
+                dbeta_c[c, hv, i] = total
 
     return chunk_backward_kernel

@@ -8,9 +8,10 @@ leaves the intra kernel's shared memory); ``q_e``, ``k_g``, ``w [NT, HV, C, K]``
 ``h [NT, HV, K, V]`` in the inputs' dtype. When the call trains, `intra` also writes what the backward reads
 and nothing else computes: ``G [NT, HV, C, K]``, ``beta [NT, HV, C]``, ``M = A_kk / beta`` and
 ``T = (I + A_kk)^-1 [NT, HV, C, C]``, all fp32, and with the l2norm the normalized ``q``, ``k``
-``[tokens, H, K]`` and their reciprocal norms ``[tokens, H]``; these, the intermediates above and the layout
-go to `backward` as ``saved``. The intermediates stay in the inputs' dtype, the values the forward itself
-multiplied by.
+``[tokens, H, K]`` in fp32 and their reciprocal norms ``[tokens, H]``; these, the intermediates above and the
+layout go to `backward` as ``saved``. Training also keeps ``u``/``v_new`` in fp32 (and `intra` forms ``w`` and
+``u`` from halves of their fp32 operands): the backward's ``dA_log`` needs them exact (`intra`'s docstring);
+``q_e``, ``k_g``, ``w``, ``A_qk`` and ``h`` stay in the inputs' dtype, the values the forward multiplied by.
 
 `specializations` lists every kernel a call needs with its compile-time parameters: the backend compiles
 them all before it says yes to a call (`TileLangBackend.supports`), and CI lowers the same list for every
@@ -61,10 +62,11 @@ def specializations(spec: KDASpec) -> list[Kernel]:
     )
     train = spec.requires_grad
     l2norm = spec.use_qk_l2norm_in_kernel
+    state_flags = (has_h0, spec.output_final_state, spec.state_v_first)
     kernels = [
         Kernel("intra", intra.build, (C, K, V, dtype, float(spec.scale), l2norm, *gate_params, train)),
-        Kernel("state", state.build, (C, K, V, bv, dtype, has_h0, spec.output_final_state, spec.state_v_first)),
-        Kernel("output", output.build, (C, K, V, bv, dtype)),
+        Kernel("state", state.build, (C, K, V, bv, dtype, *state_flags, train)),
+        Kernel("output", output.build, (C, K, V, bv, dtype, "float32" if train else dtype)),
     ]
     if train:
         from kda.backends.tilelang.backward import specializations as backward_specializations
@@ -96,14 +98,15 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     q_e = torch.empty(NT, HV, C, K, dtype=dtype, device=device)
     k_g = torch.empty_like(q_e)
     w = torch.empty_like(q_e)
-    u = torch.empty(NT, HV, C, V, dtype=dtype, device=device)  # u, then v_new (the state pass writes over it)
+    train = spec.requires_grad
+    # u, then v_new (the state pass writes over it); fp32 in training, for the backward's dA_log
+    u = torch.empty(NT, HV, C, V, dtype=f32 if train else dtype, device=device)
     A_qk = torch.empty(NT, HV, C, C, dtype=dtype, device=device)
     h = torch.empty(NT, HV, K, V, dtype=dtype, device=device)
     o, ht = output_buffers(spec, out)
     placeholder = torch.zeros(1, dtype=f32, device=device)
     h0 = inputs.initial_state.contiguous() if inputs.initial_state is not None else None
 
-    train = spec.requires_grad
     if train:
         G = torch.empty(NT, HV, C, K, dtype=f32, device=device)
         beta = torch.empty(NT, HV, C, dtype=f32, device=device)
@@ -113,8 +116,8 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
         G = beta = M = T_inv = placeholder
     norms = train and spec.use_qk_l2norm_in_kernel
     rows_placeholder = torch.zeros(1, dtype=dtype, device=device)  # a placeholder in the rows' own dtype
-    q_n = torch.empty_like(q) if norms else rows_placeholder
-    k_n = torch.empty_like(k) if norms else rows_placeholder
+    q_n = torch.empty(tokens, H, K, dtype=f32, device=device) if norms else rows_placeholder  # fp32 rows
+    k_n = torch.empty(tokens, H, K, dtype=f32, device=device) if norms else rows_placeholder
     rstd_q = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
     rstd_k = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
 

@@ -45,15 +45,22 @@ strip at a time). Outputs are chunk-major in the inputs' dtype; rows past the se
 zeros and store zeros.
 
 With ``save`` (a training call) the kernel also writes what the backward reads and nothing else computes,
-from buffers it already holds, so it costs stores and no shared memory: ``G`` and ``beta`` (fp32,
-``[NT, HV, C, K]`` and ``[NT, HV, C]``), ``M = A_kk / beta`` (the strip products before beta scales them)
-and ``T`` (from its fp32 registers), ``[NT, HV, C, C]`` fp32, and with the l2norm the normalized rows and
-their reciprocal norms (``[tokens, H, K]``, ``[tokens, H]``; by the first value head of each group).
-Without it those parameters are one-element placeholders and the kernel's body is unchanged.
+from buffers it already holds: ``G`` and ``beta`` (fp32, ``[NT, HV, C, K]`` and ``[NT, HV, C]``),
+``M = A_kk / beta`` (the strip products before beta scales them) and ``T`` (from its fp32 registers),
+``[NT, HV, C, C]`` fp32, and with the l2norm the normalized rows in fp32 and their reciprocal norms
+(``[tokens, H, K]``, ``[tokens, H]``; by the first value head of each group). It also keeps what the
+backward's ``dA_log`` needs exact (a sum over every token of terms of both signs, which the bf16 roundings
+of an inference forward put past its tolerance; `benchmarks/tilelang_backward_precision.py`): ``q_e``,
+``k_g`` and ``beta k exp(G)`` are formed from the fp32 normalized rows, ``w`` and ``u`` multiply ``T`` by
+``beta k exp(G)`` and ``beta v`` as two halves each (``hi = dtype(x)``, ``lo = dtype(x - hi)``; two
+products), and ``u`` leaves in fp32. Without ``save`` those parameters are one-element placeholders and
+the kernel's body is unchanged.
 
 Shared memory and registers decide how many chunks an SM works on at once: at C = 64, K = V = 128 the
 kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
-(228 KB, 1 KB reserved a block; 65536 registers, all of them). For the shared memory, ``A_qk`` leaves a
+(228 KB, 1 KB reserved a block; 65536 registers, all of them). With ``save`` the shared memory is the same
+(``beta k exp(G)``'s low half reuses the strips' column buffer, and TileLang's planner places ``beta v``'s in
+buffers no longer live) and nvcc gives 142 registers: one block an SM. For the shared memory, ``A_qk`` leaves a
 strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and the last Neumann round rounds ``T``
 straight from its registers into the operand of ``w`` and ``u``.
 
@@ -133,6 +140,10 @@ def build(
         return shape if save else (1,)
 
     norms = save and l2norm  # the normalized rows and their reciprocal norms
+    # training keeps what dA_log needs in fp32 (docs/design.md, "Where dA_log's error comes from"): the
+    # normalized rows, and u; the products of w and u take beta k e^G and beta v as two halves each
+    exact_rows = norms
+    u_dtype = f32 if save else dtype
 
     @T.prim_func
     def intra_kernel(
@@ -149,14 +160,14 @@ def build(
         q_e: T.Tensor((NT, HV, C, K), dtype),  # out
         k_g: T.Tensor((NT, HV, C, K), dtype),  # out
         w: T.Tensor((NT, HV, C, K), dtype),  # out
-        u: T.Tensor((NT, HV, C, V), dtype),  # out
+        u: T.Tensor((NT, HV, C, V), u_dtype),  # out (fp32 when training)
         A_qk: T.Tensor((NT, HV, C, C), dtype),  # out
         G_out: T.Tensor(saved(NT, HV, C, K), f32),  # out when training: G
         beta_out: T.Tensor(saved(NT, HV, C), f32),  # out when training: beta as activated (0 past the end)
         M_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: A_kk / beta, strictly lower
         T_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: (I + A_kk)^-1
-        q_n: T.Tensor((tokens, H, K) if norms else (1,), dtype),  # out when training with l2norm
-        k_n: T.Tensor((tokens, H, K) if norms else (1,), dtype),
+        q_n: T.Tensor((tokens, H, K) if norms else (1,), f32 if norms else dtype),  # out: training, l2norm
+        k_n: T.Tensor((tokens, H, K) if norms else (1,), f32 if norms else dtype),
         rstd_q: T.Tensor((tokens, H) if norms else (1,), f32),
         rstd_k: T.Tensor((tokens, H) if norms else (1,), f32),
     ):
@@ -225,21 +236,26 @@ def build(
                 for i in T.Parallel(C):
                     n_q[i] = T.rsqrt(r_q[i] + L2NORM_EPS)
                     n_k[i] = T.rsqrt(r_k[i] + L2NORM_EPS)
+                if exact_rows:  # q_e, k_g from the fp32 rows (q_s, k_s still hold the raw inputs here)
+                    for i, j in T.Parallel(C, K):
+                        q_hat = T.cast(q_s[i, j], f32) * n_q[i]
+                        k_hat = T.cast(k_s[i, j], f32) * n_k[i]
+                        q_e[c, hv, i, j] = T.cast(scale * q_hat * T.exp(G_s[i, j]), dtype)
+                        k_g[c, hv, i, j] = T.cast(k_hat * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
+                        if h * group == hv and start + i < end:  # a q/k head's rows once, by its first value head
+                            q_n[start + i, h, j] = q_hat
+                            k_n[start + i, h, j] = k_hat
+                    for i in T.Parallel(C):
+                        if h * group == hv and start + i < end:
+                            rstd_q[start + i, h] = n_q[i]
+                            rstd_k[start + i, h] = n_k[i]
                 for i, j in T.Parallel(C, K):
                     q_s[i, j] = T.cast(T.cast(q_s[i, j], f32) * n_q[i], dtype)
                     k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * n_k[i], dtype)
-                if norms and h * group == hv:  # a q/k head's rows once, by the first value head of its group
-                    for i, j in T.Parallel(C, K):
-                        if start + i < end:
-                            q_n[start + i, h, j] = q_s[i, j]
-                            k_n[start + i, h, j] = k_s[i, j]
-                    for i in T.Parallel(C):
-                        if start + i < end:
-                            rstd_q[start + i, h] = n_q[i]
-                            rstd_k[start + i, h] = n_k[i]
-            for i, j in T.Parallel(C, K):
-                q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
-                k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
+            if not exact_rows:
+                for i, j in T.Parallel(C, K):
+                    q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
+                    k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
 
             for s in T.unroll(C // STRIP):
                 a = s * STRIP
@@ -329,12 +345,36 @@ def build(
             v_b = T.alloc_shared((C, V), dtype)  # beta v
             acc_w = T.alloc_fragment((C, K), f32)
             acc_u = T.alloc_fragment((C, V), f32)
-            for i, j in T.Parallel(C, K):
-                k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
-            for i, j in T.Parallel(C, V):
-                v_b[i, j] = T.cast(b_s[i] * T.cast(v_f[i, j], f32), dtype)  # beta = 0 past the end
-            gemm(T_h, k_b, acc_w, clear_accum=True)
-            gemm(T_h, v_b, acc_u, clear_accum=True)
+            if save:  # as high + low halves (two products each; `cols` is free after the strips)
+                v_lo = T.alloc_shared((C, V), dtype)
+                for i, j in T.Parallel(C, K):
+                    if exact_rows:  # the fp32 row, from the input and its reciprocal norm (k_s holds it rounded)
+                        x = (
+                            b_s[i]
+                            * T.if_then_else(start + i < end, T.cast(k[start + i, h, j], f32) * n_k[i], 0.0)
+                            * T.exp(G_s[i, j])
+                        )
+                        k_b[i, j] = T.cast(x, dtype)
+                        cols[i, j] = T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
+                    else:
+                        x = b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j])
+                        k_b[i, j] = T.cast(x, dtype)
+                        cols[i, j] = T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
+                for i, j in T.Parallel(C, V):
+                    y = b_s[i] * T.cast(v_f[i, j], f32)
+                    v_b[i, j] = T.cast(y, dtype)
+                    v_lo[i, j] = T.cast(y - T.cast(T.cast(y, dtype), f32), dtype)
+                gemm(T_h, k_b, acc_w, clear_accum=True)
+                gemm(T_h, cols, acc_w)
+                gemm(T_h, v_b, acc_u, clear_accum=True)
+                gemm(T_h, v_lo, acc_u)
+            else:
+                for i, j in T.Parallel(C, K):
+                    k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
+                for i, j in T.Parallel(C, V):
+                    v_b[i, j] = T.cast(b_s[i] * T.cast(v_f[i, j], f32), dtype)  # beta = 0 past the end
+                gemm(T_h, k_b, acc_w, clear_accum=True)
+                gemm(T_h, v_b, acc_u, clear_accum=True)
             if wgmma:
                 T.wait_wgmma(0)
             T.copy(acc_w, w[c, hv, 0, 0])

@@ -21,7 +21,8 @@ THREADS = 128
 
 
 @functools.cache
-def build(C: int, K: int, V: int, BV: int, dtype: str):
+def build(C: int, K: int, V: int, BV: int, dtype: str, vn_dtype: str | None = None):
+    vn_dtype = vn_dtype or dtype  # fp32 in training (the state pass keeps v_new for the backward)
     NT, tokens, HV = T.dynamic("NT"), T.dynamic("tokens"), T.dynamic("HV")
     f32 = "float32"
 
@@ -30,7 +31,7 @@ def build(C: int, K: int, V: int, BV: int, dtype: str):
         q_e: T.Tensor((NT, HV, C, K), dtype),
         h: T.Tensor((NT, HV, K, V), dtype),
         A_qk: T.Tensor((NT, HV, C, C), dtype),
-        v_new: T.Tensor((NT, HV, C, V), dtype),
+        v_new: T.Tensor((NT, HV, C, V), vn_dtype),
         chunk_starts: T.Tensor((NT,), "int32"),
         chunk_seq_ends: T.Tensor((NT,), "int32"),
         o: T.Tensor((tokens, HV, V), dtype),  # out
@@ -47,7 +48,11 @@ def build(C: int, K: int, V: int, BV: int, dtype: str):
             T.copy(q_e[c, hv, 0, 0], qe_s)
             T.copy(h[c, hv, 0, v0], h_s)
             T.copy(A_qk[c, hv, 0, 0], a_s)
-            T.copy(v_new[c, hv, 0, v0], vn_s)
+            if vn_dtype == dtype:
+                T.copy(v_new[c, hv, 0, v0], vn_s)
+            else:  # rounded to the product's operand dtype on the way in
+                for i, j in T.Parallel(C, BV):
+                    vn_s[i, j] = T.cast(v_new[c, hv, i, v0 + j], dtype)
             T.gemm(qe_s, h_s, acc, clear_accum=True)
             T.gemm(a_s, vn_s, acc)
             for i, j in T.Parallel(C, BV):

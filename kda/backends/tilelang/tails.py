@@ -150,7 +150,8 @@ def build_gate_tail(
 
 
 @functools.cache
-def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool):
+def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool, rows_dtype: str | None = None):
+    rows_dtype = rows_dtype or dtype  # the saved rows' (fp32 when l2-normalized in training)
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")
     group = HV // H
@@ -158,7 +159,7 @@ def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool):
 
     @T.prim_func
     def qk_tail_kernel(
-        x_hat: T.Tensor((tokens, H, K), dtype),  # the rows the forward used (normalized with l2norm)
+        x_hat: T.Tensor((tokens, H, K), rows_dtype),  # the rows the forward used (normalized with l2norm)
         rstd: T.Tensor((tokens, H) if l2norm else (1,), F32),
         dx_c: T.Tensor((NT, HV, C, K), F32),  # per value head
         chunk_starts: T.Tensor((NT,), "int32"),
@@ -175,11 +176,11 @@ def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool):
                     total[i, j] += dx_c[c, head * group + member, i, j]
             if l2norm:
                 # x^ waits in shared memory, not registers: the product and the sum already take two fragments
-                x_s = T.alloc_shared((C, K), dtype)
+                x_s = T.alloc_shared((C, K), rows_dtype)
                 product = T.alloc_fragment((C, K), F32)
                 dot = T.alloc_fragment((C,), F32)
                 for i, j in T.Parallel(C, K):
-                    x_s[i, j] = T.if_then_else(start + i < end, x_hat[start + i, head, j], T.cast(0, dtype))
+                    x_s[i, j] = T.if_then_else(start + i < end, x_hat[start + i, head, j], T.cast(0, rows_dtype))
                 for i, j in T.Parallel(C, K):
                     product[i, j] = T.cast(x_s[i, j], F32) * total[i, j]
                 T.reduce_sum(product, dot, dim=1)

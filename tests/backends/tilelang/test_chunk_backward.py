@@ -34,8 +34,10 @@ def make_inputs(
     lengths: tuple[int, ...], C: int, H: int, group: int, K: int, V: int, dtype: torch.dtype, seed: int
 ) -> tuple[dict[str, torch.Tensor], ChunkLayout]:
     """Random inputs of the stage on the CPU, fp32; the ones the kernel reads in the inputs' dtype hold
-    values of that dtype. ``G`` is a cumulative sum of negative log decays (rows past the end hold the last
-    token's), ``M`` the keys' decayed products (strictly lower), ``T`` the inverse of ``I + diag(beta) M``."""
+    values of that dtype (``q`` stays fp32, as the l2-normalized rows a training forward saves). ``G`` is a
+    cumulative sum of negative log decays (rows past the end hold the last token's), ``M`` the keys' decayed
+    products (strictly lower), ``T`` the inverse of ``I + diag(beta) M``; ``q_e = scale q e^G`` and ``k_g = k
+    e^(G_last - G)`` (the scale of ``K**-0.5``) for the helion stage, which reads them."""
     gen = torch.Generator().manual_seed(seed)
     bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
     layout = chunk_layout(bounds, C, torch.device("cpu"))
@@ -49,6 +51,8 @@ def make_inputs(
 
     k = randn(tokens, H, K)
     k = rounded(k / k.norm(dim=-1, keepdim=True))
+    q = randn(tokens, H, K)
+    q = q / q.norm(dim=-1, keepdim=True)  # fp32 rows, as the training forward saves l2-normalized ones
     valid = torch.arange(C)[None, :] < (layout.chunk_seq_ends - layout.chunk_starts)[:, None]  # [NT, C]
     rows = (layout.chunk_starts[:, None] + torch.arange(C)[None, :]).clamp(max=max(tokens - 1, 0)).long()
     log_decay = torch.nn.functional.logsigmoid(randn(NT, HV, C, K) + 3.0) * valid[:, None, :, None]
@@ -60,9 +64,12 @@ def make_inputs(
     M = decayed.tril(-1)
     eye = torch.eye(C)
     T = torch.linalg.inv(eye + beta[..., None] * M).tril()
+    q_c = (q[rows][:, :, torch.arange(HV) // group] * valid[:, :, None, None]).transpose(1, 2)
+    scale = K**-0.5
     inputs = dict(
         do=rounded(randn(tokens, HV, V)),
         v=rounded(randn(tokens, HV, V)),
+        q=q,
         k=k,
         G=G,
         beta=beta,
@@ -70,10 +77,11 @@ def make_inputs(
         M=M,
         h=rounded(randn(NT, HV, K, V)),
         dh=randn(NT, HV, K, V),
-        v_new=rounded(randn(NT, HV, C, V) * valid[:, None, :, None]),
+        v_new=randn(NT, HV, C, V) * valid[:, None, :, None],
         dv_new=randn(NT, HV, C, V),
-        q_e=rounded(randn(NT, HV, C, K) * 0.2),
-        k_g=rounded(randn(NT, HV, C, K) * 0.5),
+        # what the helion stage reads and the tilelang one forms itself from the rows and G, in fp32
+        q_e=scale * q_c * G.exp(),
+        k_g=k_c * (G[:, :, -1:] - G).exp(),
     )
     return inputs, layout
 
@@ -82,7 +90,8 @@ def reference_chunk_backward(
     inputs: dict[str, torch.Tensor], layout: ChunkLayout, C: int, scale: float, group: int
 ) -> dict[str, torch.Tensor]:
     """The stage in float64, one chunk and value head at a time (rows past the sequence's end read zero
-    ``do``, ``v``, ``k``; ``dv`` has only the sequences' rows)."""
+    ``do``, ``v``, ``q``, ``k``; ``dv`` has only the sequences' rows), with ``q_e = scale q e^G`` and
+    ``k_g = k e^(G_last - G)`` formed from the rows."""
     x = {name: t.double() for name, t in inputs.items()}
     NT, HV, _, K = x["G"].shape
     V = x["v"].shape[-1]
@@ -108,11 +117,12 @@ def reference_chunk_backward(
             return padded
 
         for hv in range(HV):
-            do, v, k = rows(x["do"], hv), rows(x["v"], hv), rows(x["k"], hv // group)
+            do, v = rows(x["do"], hv), rows(x["v"], hv)
+            q, k = rows(x["q"], hv // group), rows(x["k"], hv // group)
             G, b, T, M = x["G"][c, hv], x["beta"][c, hv], x["T"][c, hv], x["M"][c, hv]
             h, dh, v_new, dv_new = x["h"][c, hv], x["dh"][c, hv], x["v_new"][c, hv], x["dv_new"][c, hv]
-            q_e, k_g = x["q_e"][c, hv], x["k_g"][c, hv]
             e_G = G.exp()
+            q_e, k_g = scale * q * e_G, k * (G[-1] - G).exp()
             X = b[:, None] * k * e_G
             Y = b[:, None] * v
             dq_e, dw, dk_g = do @ h.T, -dv_new @ h.T, v_new @ dh.T
@@ -151,7 +161,8 @@ def empty_outputs(inputs: dict[str, torch.Tensor], C: int, dv_dtype: torch.dtype
     )
 
 
-INPUT_ORDER = ("do", "v", "k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new", "q_e", "k_g")
+HELION_ORDER = ("do", "v", "k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new", "q_e", "k_g")
+TILELANG_ORDER = ("do", "v", "q", "k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new")
 
 
 def test_the_reference_matches_the_helion_kernel(monkeypatch):
@@ -172,7 +183,7 @@ def test_the_reference_matches_the_helion_kernel(monkeypatch):
     outputs = empty_outputs(inputs, C, torch.float32)
     kernel = helion.kernel(chunk_backward_kernel, static_shapes=False, dot_precision="ieee")
     kernel(
-        *(inputs[name] for name in INPUT_ORDER), layout.chunk_starts, layout.chunk_seq_ends,
+        *(inputs[name] for name in HELION_ORDER), layout.chunk_starts, layout.chunk_seq_ends,
         *(outputs[name] for name in OUTPUTS), scale, group, C,
     )  # fmt: skip
     expected = reference_chunk_backward(inputs, layout, C, scale, group)
@@ -204,7 +215,8 @@ def _lower(claim: tuple[int, int, int, str]) -> tuple[str, int]:
     from kda.backends.tilelang import chunk_backward, runtime
 
     C, K, V, dtype = claim
-    artifact = runtime.lower(chunk_backward.build(C, K, V, dtype, K**-0.5))
+    rows = "float32" if dtype == "bfloat16" else dtype  # both kinds of rows: l2-normalized (fp32) and raw
+    artifact = runtime.lower(chunk_backward.build(C, K, V, dtype, K**-0.5, rows))
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
 
@@ -227,11 +239,11 @@ def lowered_main() -> dict:
 def test_the_main_shapes_lower_to_tensor_core_products(lowered_main):
     for claim, (source, shared) in lowered_main.items():
         _check_lowered(claim, source, shared)
-    # every fp32 operand goes in as two 16-bit halves: 2 + 3 (dY) + 1 (dA_qk) at the chunk, 1 + 2 + 2 + 3
-    # + 3 in the key loop, 3 + 3 for dA_kk: 23 products, none of them TF32
+    # every fp32 operand goes in as two 16-bit halves: 2 + 3 (dY) + 2 (dA_qk) at the chunk, 1 + 2 + 3 + 3
+    # + 3 in the key loop, 3 + 3 for dA_kk: 25 products, none of them TF32
     source = lowered_main[(64, 128, 128, "bfloat16")][0]
     assert "tf32" not in source.lower()
-    assert source.count("wgmma_ss") == 23
+    assert source.count("wgmma_ss") == 25
 
 
 @pytest.mark.slow
@@ -308,14 +320,17 @@ def test_the_kernel_matches_the_reference_on_the_gpu(case):
     dtype, C, K, V, lengths = case
     H, group, scale = 2, 2, K**-0.5
     inputs, layout = make_inputs(lengths, C, H, group, K, V, dtype, seed=7)
-    expected = reference_chunk_backward(inputs, layout, C, scale, group)
     name = str(dtype).removeprefix("torch.")
-    (kernel,) = runtime.compile_all([(chunk_backward.build, (C, K, V, name, scale))])
-    fp32 = {"G", "beta", "T", "M", "dh", "dv_new"}
+    rows = "float32" if dtype == torch.bfloat16 else name  # l2-normalized rows (fp32) and raw ones
+    if rows != "float32":  # raw rows are the inputs, in their dtype
+        inputs = dict(inputs, q=inputs["q"].to(dtype).float())
+    expected = reference_chunk_backward(inputs, layout, C, scale, group)
+    (kernel,) = runtime.compile_all([(chunk_backward.build, (C, K, V, name, scale, rows))])
+    fp32 = {"G", "beta", "T", "M", "dh", "v_new", "dv_new"} | ({"q", "k"} if rows == "float32" else set())
     device = {n: t.to("cuda", torch.float32 if n in fp32 else dtype).contiguous() for n, t in inputs.items()}
     outputs = empty_outputs(device, C, dtype)
     kernel(
-        *(device[n] for n in INPUT_ORDER), layout.chunk_starts.cuda(), layout.chunk_seq_ends.cuda(),
+        *(device[n] for n in TILELANG_ORDER), layout.chunk_starts.cuda(), layout.chunk_seq_ends.cuda(),
         *(outputs[n] for n in OUTPUTS),
     )  # fmt: skip
     torch.cuda.synchronize()

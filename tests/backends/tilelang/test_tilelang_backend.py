@@ -172,8 +172,9 @@ def test_training_adds_the_backward_and_the_forward_saves_for_it():
 
 def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
     """At chunk 64, K = V = 128 every training kernel lowers for sm_90a with tensor-core products, `intra`'s
-    stores for the backward cost no shared memory (two blocks an SM still), and the saved tensors are
-    written: G, beta, M, T and the normalized rows."""
+    stores for the backward and its fp32 halves cost no shared memory (its registers do: nvcc gives the
+    training kernel 142, one block an SM), and the saved tensors are written: G, beta, M, T and the
+    normalized rows."""
     kernels = kernels_of(lowered, "training")
     assert set(kernels) == {"intra", "state", "output", *BACKWARD}
     for name, (_source, shared) in kernels.items():
@@ -186,6 +187,35 @@ def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
         # named in both signatures (a placeholder at inference); used in the saving kernel's body alone
         uses = [len(re.findall(rf"\b{stored}\b", source)) for source in (saving[0], plain[0])]
         assert uses[0] > uses[1], (stored, uses)
+
+
+def _dtypes(kernel: forward.Kernel) -> dict[str, str]:
+    """The dtype of each tensor parameter of `kernel`'s prim_func, by name."""
+    func = kernel.builder(*kernel.params)
+    return {buffer.name: str(buffer.dtype) for buffer in func.buffer_map.values()}
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_training_keeps_what_dA_log_needs_in_fp32(l2norm):
+    """``dA_log`` sums over every token terms of both signs; the CPU replay of the training path
+    (benchmarks/tilelang_backward_precision.py) put it past its tolerance with bf16 normalized rows, ``u`` or
+    ``v_new``, and within 0.03 of it with those in fp32. Training passes them in fp32 from stage to stage;
+    inference keeps the inputs' dtype (the bytes are the forward's cost)."""
+    training = {
+        k.name: _dtypes(k) for k in forward.specializations(spec_of(K=64, V=64, training=True, qk_l2norm=l2norm))
+    }
+    inference = {k.name: _dtypes(k) for k in forward.specializations(spec_of(K=64, V=64, qk_l2norm=l2norm))}
+    assert training["intra"]["u"] == training["state"]["u"] == "float32"
+    assert training["output"]["v_new"] == training["chunk_backward"]["v_new"] == "float32"
+    rows = "float32" if l2norm else "bfloat16"  # without the l2norm the rows are the inputs themselves
+    if l2norm:
+        assert training["intra"]["q_n"] == training["intra"]["k_n"] == "float32"
+    for stage in ("chunk_backward", "score_backward"):
+        assert training[stage]["q"] == training[stage]["k"] == rows, stage
+    assert training["qk_tail"]["x_hat"] == rows
+    # what the state passes multiply by stays in the inputs' dtype, and inference is untouched
+    assert {training["state_backward"][name] for name in ("q_e", "w", "k_g", "A_qk")} == {"bfloat16"}
+    assert inference["intra"]["u"] == inference["state"]["u"] == inference["output"]["v_new"] == "bfloat16"
 
 
 def test_sequence_length_batch_and_heads_are_not_compiled_in():

@@ -295,15 +295,6 @@ def test_it_builds_with_nvcc_in_one_blocks_registers(lowered_main, tmp_path):
 # On the GPU.
 
 
-def hopper() -> None:
-    pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
-    import kda
-
-    verdict = kda.get_backend("tilelang").available()
-    if not verdict:
-        pytest.skip(str(verdict))
-
-
 GPU_CASES = [
     (torch.bfloat16, 64, 128, 128, (3 * 64 + 13, 1, 64, 40)),
     (torch.float16, 32, 64, 64, (3 * 32 + 7, 1, 32, 20)),
@@ -312,9 +303,9 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda case: f"{str(case[0])[6:]}-C{case[1]}-K{case[2]}")
+@pytest.mark.usefixtures("hopper")
 def test_the_kernel_matches_the_reference_on_the_gpu(case):
     """Varlen with ragged tails and a one-token sequence, GVA (HV = 2 H); outputs poisoned with NaN."""
-    hopper()
     from kda.backends.tilelang import chunk_backward, runtime
 
     dtype, C, K, V, lengths = case

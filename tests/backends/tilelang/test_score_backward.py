@@ -18,7 +18,6 @@ import re
 import pytest
 import torch
 
-import kda
 from kda.backends.chunks import chunk_layout
 
 pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
@@ -195,19 +194,13 @@ def test_the_product_operands_are_bf16_halves():
         assert f"(bfloat16_t*){operand})[0]" in descriptors, operand
 
 
-def hopper() -> None:
-    verdict = kda.get_backend("tilelang").available()
-    if not verdict:
-        pytest.skip(str(verdict))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("C", [32, 64])
 @pytest.mark.parametrize("gate", ["mild", "extreme", "mixed"])
 @pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.usefixtures("hopper")
 def test_kernel_matches_the_reference_on_the_gpu(seed, dtype, C, gate, K):
-    hopper()
     if K != 128 and (C, gate) != (64, "mixed"):
         pytest.skip("K of 64 and 256 are checked at chunk 64 with the mixed gate")
     H, group = 2, 2

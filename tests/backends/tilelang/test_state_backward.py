@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kda.backends.chunks import chunk_layout
+from kda.verify.check import relative_error
 
 H200_SHARED_MEMORY = 232448  # bytes of dynamic shared memory one block may ask for (227 KB)
 
@@ -304,27 +305,15 @@ def test_one_specialization_compiles_with_nvcc_without_spilling(lowered, tmp_pat
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
-def hopper() -> None:
-    import kda
-
-    verdict = kda.get_backend("tilelang").available()
-    if not verdict:
-        pytest.skip(str(verdict))
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("shape", [(64, 128, 128, "bfloat16"), (32, 64, 64, "float16")], ids=str)
+@pytest.mark.usefixtures("hopper")
 def test_the_kernel_matches_the_reference_on_hopper(seed, shape, v_first):
     """Varlen with ragged tails, an empty and a one-token sequence, two value heads, a final-state gradient in
     and an initial-state gradient out; outputs NaN-poisoned, so an element never written fails. The fp32
     operands' split halves keep the error near fp32's: 2e-4 is past one bf16 rounding of ``dS`` (2^-9)."""
     pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
-    hopper()
     from kda.backends.tilelang import runtime, state_backward
 
     C, K, V, dtype_name = shape

@@ -378,14 +378,6 @@ def test_the_reverse_sum_gives_each_key_column_one_thread(K):
 # --- the compiled kernels on a Hopper GPU ------------------------------------------------------------------------
 
 
-def hopper() -> None:
-    import kda
-
-    verdict = kda.get_backend("tilelang").available()
-    if not verdict:
-        pytest.skip(str(verdict))
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -394,8 +386,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 @pytest.mark.parametrize("case", GATE_CASES, ids=gate_id)
 @pytest.mark.parametrize("C, K", [(64, 128), (32, 64), (64, 256), (32, 256), (64, 64)])
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.usefixtures("hopper")
 def test_the_gate_tail_on_the_gpu(seed, case, C, K, layout_name):
-    hopper()
     name, has_dt_bias, beta_sigmoid, scale = case
     HV, gate = 3, GATES[name]
     dtypes = (torch.bfloat16, torch.float16) if C == 64 else (torch.float32, torch.bfloat16)
@@ -427,8 +419,8 @@ def test_the_gate_tail_on_the_gpu(seed, case, C, K, layout_name):
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("C, K", [(64, 128), (32, 64), (64, 256), (32, 256), (64, 64)])
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.usefixtures("hopper")
 def test_the_qk_tail_on_the_gpu(seed, dtype, l2norm, group, C, K, layout_name):
-    hopper()
     H = 2
     x = qk_inputs(C, K, H, group, LAYOUTS[layout_name](C), l2norm, dtype, device="cuda")
     layout = x["layout"]

@@ -34,17 +34,11 @@ VARIANTS = [
 ]
 
 
-def hopper() -> None:
-    verdict = kda.get_backend("tilelang").available()
-    if not verdict:
-        pytest.skip(str(verdict))
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("regime", ["realistic", "extreme"])
+@pytest.mark.usefixtures("hopper")
 def test_forward_matches_the_reference(seed, variant, regime, head_dim):
-    hopper()
     cc = case_class(**{"dtype": "bfloat16", "chunk_size": 64, **variant}, head_dim=head_dim)
     C = cc.chunk_size
     group = 2 if cc.gva else 1
@@ -67,8 +61,8 @@ TRAINING_VARIANTS = [
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", TRAINING_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("regime", ["realistic", "extreme"])
+@pytest.mark.usefixtures("hopper")
 def test_backward_gives_every_gradient(seed, variant, regime, head_dim):
-    hopper()
     cc = training_class({"dtype": "bfloat16", "chunk_size": 64, **variant, "head_dim": head_dim}, regime)
     C = cc.chunk_size
     group = 2 if cc.gva else 1
@@ -80,8 +74,8 @@ def test_backward_gives_every_gradient(seed, variant, regime, head_dim):
     assert expected_gradients(cc) <= set(result.errors), result.errors
 
 
+@pytest.mark.usefixtures("hopper")
 def test_the_tilelang_kernels_are_what_ran(monkeypatch):
-    hopper()
     launched: list[str] = []
     real = forward.compile_all
 
@@ -105,8 +99,8 @@ def test_the_tilelang_kernels_are_what_ran(monkeypatch):
     assert runtime.tilelang_problem() is None
 
 
+@pytest.mark.usefixtures("hopper")
 def test_training_runs_the_tilelang_backward(monkeypatch):
-    hopper()
     launched: list[str] = []
     real = forward.compile_all
     monkeypatch.setattr(

@@ -1,12 +1,15 @@
 """The tilelang backend's GPU time per kernel, at bench shapes (GPU only).
 
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --mode fwd_pregated B1_T8192_H96_D128
+    KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode train_safe B1_T8192_H96_D128
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --intra-variant halves=/tmp/intra.py B1_T8192_H96_D128
 
 Runs the bench's own callable (`kda.bench.runner.call_for`, so exactly what the bench times) with each of
-the forward's three kernels wrapped in CUDA events, and prints each kernel's median GPU milliseconds per
-call, its share, and the bytes it must move at least (its inputs read once, its outputs written once)
-over that time, against the H200's ~4.3 TB/s copy rate measured here.
+the backend's kernels wrapped in CUDA events (the forward's three; in a training mode, ``train_safe`` or
+``train_pregated``, the backward's five too), and prints each kernel's median GPU milliseconds per call
+(summed over its launches in the call: ``qk_tail`` runs for q and for k), its share, and the bytes it must
+move at least (its inputs read once, its outputs written once) over that time, against the H200's
+~4.3 TB/s copy rate measured here.
 
 ``--intra-variant NAME=PATH`` (repeatable) also times an `intra` kernel built by the ``build`` function of
 the Python file PATH (a changed copy of ``kda/backends/tilelang/intra.py``), in the same process, its calls
@@ -74,14 +77,16 @@ def _report(times: dict[str, list[float]], moved: dict[str, int]) -> None:
     total = sum(medians.values())
     for name, ms in sorted(medians.items(), key=lambda item: -item[1]):
         rate = moved[name] / (ms * 1e-3) / 1e12
-        print(f"  {name:8s} {ms:8.3f} ms  {100 * ms / total:5.1f}%  {moved[name] / 1e6:9.1f} MB  {rate:5.2f} TB/s")
-    print(f"  {'sum':8s} {total:8.3f} ms", flush=True)
+        print(f"  {name:14s} {ms:8.3f} ms  {100 * ms / total:5.1f}%  {moved[name] / 1e6:9.1f} MB  {rate:5.2f} TB/s")
+    print(f"  {'sum':14s} {total:8.3f} ms", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+")
-    parser.add_argument("--mode", action="append", required=True, choices=["fwd", "fwd_pregated"])
+    parser.add_argument(
+        "--mode", action="append", required=True, choices=["fwd", "fwd_pregated", "train_safe", "train_pregated"]
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--intra-variant", action="append", default=[], metavar="NAME=PATH")
     args = parser.parse_args()
@@ -131,9 +136,12 @@ def main() -> int:
                     pending.clear()
                     run()
                     torch.cuda.synchronize()
+                    per_call: dict[str, float] = defaultdict(float)  # a kernel launched twice (qk_tail) adds up
                     for name, nbytes, start, end in pending:
-                        times[variant][name].append(start.elapsed_time(end))
-                        moved[name] = nbytes
+                        per_call[name] += start.elapsed_time(end)
+                        moved[name] = nbytes * sum(1 for launch in pending if launch[0] == name)
+                    for name, ms in per_call.items():
+                        times[variant][name].append(ms)
             intra.build = builds[SHIPPED]
             for variant in builds:
                 print(f"\n{shape_name} {mode_name} {variant}:")

@@ -35,8 +35,9 @@
 #                call at a new shape once compiled, and a new process on TileLang's disk cache -> times.jsonl
 #                (the tilelang backend needs TileLang carried: `prepare.sh all`, or `prepare.sh tilelang` too;
 #                its compiled kernels are not kept in state.tgz: with them it passed the 16 MiB a file comes back at)
-#   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang forward's time and bytes per kernel at
-#                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128), fwd and fwd_pregated; with
+#   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang backend's time and bytes per kernel at
+#                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128) in STAGE_MODES (default fwd
+#                fwd_pregated; train_safe and train_pregated time the backward's kernels too); with
 #                INTRA_VARIANTS ("name=path ...": changed copies of intra.py, e.g. under .device/) each variant's
 #                `intra` is timed in the same process, interleaved with the shipped one
 #   tilelang-ncu Nsight Compute (--set full) on NCU_LAUNCHES (default 1) launches of the tilelang kernels matching
@@ -192,7 +193,8 @@ for target in "$@"; do
   tilelang-stages)
     mkdir -p "$OUT/tilelang-stages"
     # shellcheck disable=SC2046,SC2086
-    KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/tilelang_stages.py --mode fwd --mode fwd_pregated \
+    KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/tilelang_stages.py \
+      $(for m in ${STAGE_MODES:-fwd fwd_pregated}; do printf -- '--mode %s ' "$m"; done) \
       $(for v in ${INTRA_VARIANTS:-}; do printf -- '--intra-variant %s ' "$v"; done) \
       ${STAGE_SHAPES:-B1_T8192_H96_D128 B4_T2048_H16_D128} > "$OUT/tilelang-stages/kernels.txt" 2>&1
     echo "tilelang-stages: exit $?"; grep -v -i -E "warn|tilelang\.jit|decision" "$OUT/tilelang-stages/kernels.txt" | tail -40

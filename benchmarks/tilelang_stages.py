@@ -137,11 +137,13 @@ def main() -> int:
                     run()
                     torch.cuda.synchronize()
                     per_call: dict[str, float] = defaultdict(float)  # a kernel launched twice (qk_tail) adds up
+                    bytes_per_call: dict[str, int] = defaultdict(int)
                     for name, nbytes, start, end in pending:
                         per_call[name] += start.elapsed_time(end)
-                        moved[name] = nbytes * sum(1 for launch in pending if launch[0] == name)
+                        bytes_per_call[name] += nbytes
                     for name, ms in per_call.items():
                         times[variant][name].append(ms)
+                    moved.update(bytes_per_call)
             intra.build = builds[SHIPPED]
             for variant in builds:
                 print(f"\n{shape_name} {mode_name} {variant}:")

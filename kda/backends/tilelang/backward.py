@@ -25,6 +25,7 @@ import torch
 from kda.backends import chunks
 from kda.backends.base import KDAGradients, KDAInputs
 from kda.backends.tilelang import chunk_backward, score_backward, state_backward, tails
+from kda.backends.tilelang.forward import rows_dtype
 from kda.spec import KDASpec
 
 
@@ -54,12 +55,6 @@ def specializations(spec: KDASpec, dtype: str, gate_params: tuple[Any, ...]) -> 
         ("gate_tail", tails.build_gate_tail, (C, K, *gate_params)),
         ("qk_tail", tails.build_qk_tail, (C, K, dtype, spec.use_qk_l2norm_in_kernel, rows)),
     ]
-
-
-def rows_dtype(spec: KDASpec, dtype: str) -> str:
-    """The dtype of the q, k rows the backward reads: the l2-normalized rows the training forward saves in
-    fp32, or the inputs themselves."""
-    return "float32" if spec.use_qk_l2norm_in_kernel else dtype
 
 
 def tilelang_backward(

@@ -45,6 +45,12 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def rows_dtype(spec: KDASpec, dtype: str) -> str:
+    """The dtype of the q, k rows a training forward saves for the backward: the l2-normalized rows in fp32
+    (`intra` keeps them exact for ``dA_log``), or the inputs themselves (`dtype`)."""
+    return "float32" if spec.use_qk_l2norm_in_kernel else dtype
+
+
 def specializations(spec: KDASpec) -> list[Kernel]:
     """The kernels of `spec`: the forward's three, and the backward's five when the call trains."""
     C, K, V = spec.chunk_size, spec.K, spec.V
@@ -116,8 +122,9 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
         G = beta = M = T_inv = placeholder
     norms = train and spec.use_qk_l2norm_in_kernel
     rows_placeholder = torch.zeros(1, dtype=dtype, device=device)  # a placeholder in the rows' own dtype
-    q_n = torch.empty(tokens, H, K, dtype=f32, device=device) if norms else rows_placeholder  # fp32 rows
-    k_n = torch.empty(tokens, H, K, dtype=f32, device=device) if norms else rows_placeholder
+    rows = getattr(torch, rows_dtype(spec, _dtype_name(dtype)))
+    q_n = torch.empty(tokens, H, K, dtype=rows, device=device) if norms else rows_placeholder
+    k_n = torch.empty(tokens, H, K, dtype=rows, device=device) if norms else rows_placeholder
     rstd_q = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
     rstd_k = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
 

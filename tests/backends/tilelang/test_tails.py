@@ -124,16 +124,19 @@ def gate_inputs(C, K, HV, bounds, gate, has_dt_bias, dtypes=(torch.float32, torc
     floor in every floored mode (the sigmoid gate with a bound below it), the safe gate within [-5, 0)."""
     layout = chunk_layout(bounds, C, torch.device(device))
     tokens, NT = bounds[-1], layout.num_chunks
+    A_log = torch.randn(HV) * 0.5 + 0.5
     if gate == PREGATED:
         g = torch.where(
             torch.rand(tokens, HV, K) < 0.2, -40 * torch.rand(tokens, HV, K), F.logsigmoid(torch.randn(tokens, HV, K))
         )
     elif gate == SOFTPLUS:
-        g = torch.randn(tokens, HV, K) * 4 + torch.where(torch.rand(tokens, HV, K) < 0.2, 16.0, 0.0)
+        # a tenth of the inputs past the threshold 20, a tenth past the floor: A * softplus(x) > 32 needs x > 32 / A,
+        # which a fixed offset misses for every head when the heads' A are all small (seed 1874668530: none floored)
+        r, A = torch.rand(tokens, HV, K), A_log.exp()[None, :, None]
+        g = torch.randn(tokens, HV, K) * 4 + torch.where(r < 0.1, 16.0, torch.where(r < 0.2, 16.0 + 32.0 / A, 0.0))
     else:
         g = torch.randn(tokens, HV, K) * 2
     lower_bound = {SIGMOID: -40.0, SAFE: -5.0}.get(gate, 0.0)
-    A_log = torch.randn(HV) * 0.5 + 0.5
     dt_bias = torch.randn(HV, K) if has_dt_bias else None
     beta = torch.randn(tokens, HV)
     dG_c = torch.randn(NT, HV, C, K)

@@ -7,6 +7,7 @@ unknown flag (without the usage text, so that the error stays one line).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,6 +50,21 @@ def device_problem(text: str) -> str | None:
         is_available = getattr(getattr(torch, device.type, None), "is_available", None)
         if callable(is_available) and not is_available():
             return f"--device {text}: {device.type} is not available on this machine"
+    return None
+
+
+def number_problem(
+    option: str, value: float, *, at_least: float | None = None, above: float | None = None
+) -> str | None:
+    """What is wrong with a number given to `option`: not finite, below `at_least`, or not above `above`.
+    (argparse checks only that it parses: ``--jobs 0`` or ``--rep-ms nan`` would otherwise run, clamped
+    or failing row by row.)"""
+    if not math.isfinite(value):
+        return f"{option} {value}: must be a finite number"
+    if at_least is not None and value < at_least:
+        return f"{option} {value}: must be >= {at_least:g}"
+    if above is not None and value <= above:
+        return f"{option} {value}: must be > {above:g}"
     return None
 
 

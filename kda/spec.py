@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -221,34 +221,11 @@ class KDASpec(CallShapes, BaseModel):
             errors.append(KDAInputError(argument, text, got))
 
         q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
-        # Shapes of the main tensors. Stop early when q or v is not 4-D: every other rule reads them.
-        if len(q.shape) != 4:
-            rule("q", "must be 4-D [B, T, H, K]", _fmt_shape(q.shape))
-        if len(v.shape) != 4:
-            rule("v", "must be 4-D [B, T, HV, V]", _fmt_shape(v.shape))
-        if errors:
+        # Shapes of the main tensors; stop early when q or v is not 4-D: every other rule reads them.
+        shapes = main_shape_rules(q, k, v, g, beta, rule)
+        if shapes is None:
             raise _combined(errors)
-        B, T, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        for name, size in (("B", B), ("T", T), ("H", H), ("K", K)):
-            if size < 1:
-                rule("q", f"{name} (dimension of [B, T, H, K]) must be >= 1", _fmt_shape(q.shape))
-        if HV < 1 or V < 1:
-            rule("v", "HV and V must be >= 1", _fmt_shape(v.shape))
-        if k.shape != q.shape:
-            rule("k", f"must have q's shape {_fmt_shape(q.shape)}", _fmt_shape(k.shape))
-        if v.shape[:2] != (B, T):
-            rule("v", f"must be [B, T, HV, V] with q's B={B}, T={T}", _fmt_shape(v.shape))
-        if HV >= 1 and H >= 1 and HV % H != 0:
-            rule("v", f"HV must be a multiple of H (grouped value attention); H={H}", f"HV={HV}")
-        if K > MAX_HEAD_DIM:
-            rule("q", f"head dim K must be <= {MAX_HEAD_DIM}", f"K={K}")
-        if V > MAX_HEAD_DIM:
-            rule("v", f"head dim V must be <= {MAX_HEAD_DIM}", f"V={V}")
-        if g.shape != (B, T, HV, K):
-            rule("g", f"must be [B, T, HV, K] = {_fmt_shape((B, T, HV, K))}", _fmt_shape(g.shape))
-        if beta.shape != (B, T, HV):
-            rule("beta", f"must be [B, T, HV] = {_fmt_shape((B, T, HV))}", _fmt_shape(beta.shape))
+        B, T, _, K, HV, V = shapes
 
         # Dtypes and devices.
         if torch.device(q.device).type == "meta":
@@ -496,6 +473,42 @@ class KDASpec(CallShapes, BaseModel):
         if self.is_varlen:
             shape += f" N{self.num_seqs}"
         return f"{shape} {self.q.device} :: {self.case_class.key}"
+
+
+def main_shape_rules(
+    q: TensorInfo, k: TensorInfo, v: TensorInfo, g: TensorInfo, beta: TensorInfo, rule: Callable[..., None]
+) -> tuple[int, int, int, int, int, int] | None:
+    """The shape rules of the five main tensors, which both ops share, reported through `rule`. Returns
+    ``(B, T, H, K, HV, V)``, or None when q or v is not 4-D (the caller stops there: every other rule reads
+    their sizes)."""
+    if len(q.shape) != 4:
+        rule("q", "must be 4-D [B, T, H, K]", _fmt_shape(q.shape))
+    if len(v.shape) != 4:
+        rule("v", "must be 4-D [B, T, HV, V]", _fmt_shape(v.shape))
+    if len(q.shape) != 4 or len(v.shape) != 4:
+        return None
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    for name, size in (("B", B), ("T", T), ("H", H), ("K", K)):
+        if size < 1:
+            rule("q", f"{name} (dimension of [B, T, H, K]) must be >= 1", _fmt_shape(q.shape))
+    if HV < 1 or V < 1:
+        rule("v", "HV and V must be >= 1", _fmt_shape(v.shape))
+    if k.shape != q.shape:
+        rule("k", f"must have q's shape {_fmt_shape(q.shape)}", _fmt_shape(k.shape))
+    if v.shape[:2] != (B, T):
+        rule("v", f"must be [B, T, HV, V] with q's B={B}, T={T}", _fmt_shape(v.shape))
+    if HV >= 1 and H >= 1 and HV % H != 0:
+        rule("v", f"HV must be a multiple of H (grouped value attention); H={H}", f"HV={HV}")
+    if K > MAX_HEAD_DIM:
+        rule("q", f"head dim K must be <= {MAX_HEAD_DIM}", f"K={K}")
+    if V > MAX_HEAD_DIM:
+        rule("v", f"head dim V must be <= {MAX_HEAD_DIM}", f"V={V}")
+    if g.shape != (B, T, HV, K):
+        rule("g", f"must be [B, T, HV, K] = {_fmt_shape((B, T, HV, K))}", _fmt_shape(g.shape))
+    if beta.shape != (B, T, HV):
+        rule("beta", f"must be [B, T, HV] = {_fmt_shape((B, T, HV))}", _fmt_shape(beta.shape))
+    return B, T, H, K, HV, V
 
 
 def _host_values(t: torch.Tensor | None) -> tuple[int, ...] | None:

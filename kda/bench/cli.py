@@ -179,6 +179,16 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     """What makes these arguments unusable (checked before any work), or None."""
     if problem := cliargs.settings_problem():
         return problem
+    numbers = [
+        ("--jobs", args.jobs, 1, None),
+        ("--rounds", args.rounds, 1, None),
+        ("--warmup-ms", args.warmup_ms, 0, None),
+        ("--rep-ms", args.rep_ms, None, 0),
+        ("--tune-budget-s", args.tune_budget_s, None, 0),
+    ]
+    for option, value, at_least, above in numbers:
+        if problem := cliargs.number_problem(option, value, at_least=at_least, above=above):
+            return problem
     reads = [("--chart", args.chart)] if args.chart is not None else []
     reads += [("--merge", path) for path in args.merge or []]
     for option, path in reads:

@@ -26,7 +26,6 @@ from kda.errors import KDAInputError
 from kda.spec import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    MAX_HEAD_DIM,
     DtypeName,
     HeadDim,
     TensorInfo,
@@ -35,6 +34,7 @@ from kda.spec import (
     _fmt_shape,
     cu_seqlens_violation,
     head_dim_bucket,
+    main_shape_rules,
 )
 from kda.tensor_info import CallShapes
 
@@ -323,33 +323,10 @@ class RecurrentSpec(CallShapes, BaseModel):
             errors.append(KDAInputError(argument, text, got))
 
         q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
-        if len(q.shape) != 4:
-            rule("q", "must be 4-D [B, T, H, K]", _fmt_shape(q.shape))
-        if len(v.shape) != 4:
-            rule("v", "must be 4-D [B, T, HV, V]", _fmt_shape(v.shape))
-        if errors:
+        shapes = main_shape_rules(q, k, v, g, beta, rule)
+        if shapes is None:
             raise _combined(errors)
-        B, T, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        for name, size in (("B", B), ("T", T), ("H", H), ("K", K)):
-            if size < 1:
-                rule("q", f"{name} (dimension of [B, T, H, K]) must be >= 1", _fmt_shape(q.shape))
-        if HV < 1 or V < 1:
-            rule("v", "HV and V must be >= 1", _fmt_shape(v.shape))
-        if k.shape != q.shape:
-            rule("k", f"must have q's shape {_fmt_shape(q.shape)}", _fmt_shape(k.shape))
-        if v.shape[:2] != (B, T):
-            rule("v", f"must be [B, T, HV, V] with q's B={B}, T={T}", _fmt_shape(v.shape))
-        if HV >= 1 and H >= 1 and HV % H != 0:
-            rule("v", f"HV must be a multiple of H (grouped value attention); H={H}", f"HV={HV}")
-        if K > MAX_HEAD_DIM:
-            rule("q", f"head dim K must be <= {MAX_HEAD_DIM}", f"K={K}")
-        if V > MAX_HEAD_DIM:
-            rule("v", f"head dim V must be <= {MAX_HEAD_DIM}", f"V={V}")
-        if g.shape != (B, T, HV, K):
-            rule("g", f"must be [B, T, HV, K] = {_fmt_shape((B, T, HV, K))}", _fmt_shape(g.shape))
-        if beta.shape != (B, T, HV):
-            rule("beta", f"must be [B, T, HV] = {_fmt_shape((B, T, HV))}", _fmt_shape(beta.shape))
+        B, T, _, K, HV, V = shapes
 
         if torch.device(q.device).type == "meta":
             rule("q", "must hold values: kda computes KDA, and a meta tensor has none", q.device)

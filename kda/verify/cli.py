@@ -104,6 +104,8 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     """What makes these arguments unusable (checked before any work), or None."""
     if problem := cliargs.settings_problem():
         return problem
+    if problem := cliargs.number_problem("--jobs", args.jobs, at_least=1):
+        return problem
     if args.device is not None and (problem := cliargs.device_problem(args.device)):
         return problem
     if args.json is not None and (problem := cliargs.output_file_problem("--json", Path(args.json))):

@@ -362,6 +362,13 @@ BAD_USAGE = {
     "device-malformed-index": lambda tmp, mp: ["--device", "cuda:x"],
     "device-cuda-index-beyond-count": lambda tmp, mp: ["--device", f"cuda:{torch.cuda.device_count()}"],
     "tune-with-an-unwritable-cache": _unwritable_cache,
+    "jobs-zero": lambda tmp, mp: ["--jobs", "0"],
+    "rounds-zero": lambda tmp, mp: ["--rounds", "0"],
+    "rep-ms-negative": lambda tmp, mp: ["--rep-ms", "-5"],
+    "rep-ms-zero": lambda tmp, mp: ["--rep-ms", "0"],
+    "warmup-ms-nan": lambda tmp, mp: ["--warmup-ms", "nan"],
+    "warmup-ms-negative": lambda tmp, mp: ["--warmup-ms", "-1"],
+    "tune-budget-inf": lambda tmp, mp: ["--tune-budget-s", "inf"],
 }
 
 

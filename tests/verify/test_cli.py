@@ -241,6 +241,8 @@ BAD_USAGE = {
     "device-bogus": lambda tmp: ["--device", "bogus"],
     "device-malformed-index": lambda tmp: ["--device", "cuda:x"],
     "device-cuda-index-beyond-count": lambda tmp: ["--device", f"cuda:{torch.cuda.device_count()}"],
+    "jobs-zero": lambda tmp: ["--jobs", "0"],
+    "jobs-negative": lambda tmp: ["--jobs", "-3"],
 }
 
 

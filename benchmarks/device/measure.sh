@@ -56,7 +56,10 @@
 # device tool brings back at most 8 files; `tar xzf outputs.tgz` gives the <target>/ folders and env.txt).
 # Triton's autotune results (FLA tunes for minutes at each new shape) and
 # kda's records and timing table are packed into $OUT/state.tgz: keep it as .device/state.tgz and the
-# next run starts from it. Curate the output into a snapshot with benchmarks/snapshot.py.
+# next run starts from it. A new machine here has no .device/: benchmarks/device/autotune.tgz, in git,
+# holds the autotune results alone and is unpacked first (`bash benchmarks/device/keep_autotune.sh
+# state.tgz` refreshes it from a run's state; results of other Triton or FLA versions are ignored by
+# Triton's own cache key). Curate the output into a snapshot with benchmarks/snapshot.py.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,20p "$0"; exit 2; }
 START=$(date +%s)
@@ -75,8 +78,10 @@ source .device/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache
 export TILELANG_CACHE_DIR=/tmp/tilelang-cache  # compiled TileLang kernels: not kept (17 MB, past what comes back)
 mkdir -p "$TRITON_CACHE_DIR" "$KDA_CACHE_DIR" "$TILELANG_CACHE_DIR" "$OUT"
-if [ -f .device/state.tgz ] && [ ! -f /tmp/.kda-state-unpacked ]; then
-  tar xzf .device/state.tgz -C /tmp && touch /tmp/.kda-state-unpacked
+if [ ! -f /tmp/.kda-state-unpacked ]; then  # the autotune results in git, then this checkout's own state over them
+  [ -f benchmarks/device/autotune.tgz ] && tar xzf benchmarks/device/autotune.tgz -C /tmp
+  [ -f .device/state.tgz ] && tar xzf .device/state.tgz -C /tmp
+  touch /tmp/.kda-state-unpacked
 fi
 { date -u +"date: %Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

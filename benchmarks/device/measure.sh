@@ -28,6 +28,8 @@
 #   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel at STAGE_SHAPES (default
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
 #                training at head dim 256 with a synchronize after each launch, which names a faulting kernel
+#   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
+#                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
 #   tests        the test suite on CUDA (its GPU-only tests run there); TESTS narrows it (pytest paths and
 #                options, e.g. "-m gpu tests/backends/tilelang"); TEST_GROUPS ("args; args; ...") runs one
 #                pytest process a group, side by side -> tests/pytest-N.txt
@@ -180,6 +182,13 @@ for target in "$@"; do
     echo "helion-stages d256: exit $?"
     grep -v -i warn "$OUT/helion-stages/kernels.txt" | tail -60; tail -n 12 "$OUT/helion-stages/d256.txt"
     ;;
+  helion-decode)
+    mkdir -p "$OUT/helion-decode"
+    # shellcheck disable=SC2046
+    timeout "$(left 10)" python3 benchmarks/helion_decode.py \
+      $(for s in ${HELION_DECODE_SHAPES:-}; do printf -- '--shape %s ' "$s"; done) > "$OUT/helion-decode/log.txt" 2>&1
+    echo "helion-decode: exit $?"; grep -v -i warn "$OUT/helion-decode/log.txt" | tail -n 30
+    ;;
   tune-helion)
     mkdir -p "$OUT/tune-helion"
     cp kda/backends/helion/tuned_sm90.json "$OUT/tune-helion/tuned_sm90.json"  # the tuner adds to the shipped entries
@@ -248,7 +257,7 @@ for target in "$@"; do
     fi
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
     exit 2
     ;;
   esac

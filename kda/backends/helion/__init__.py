@@ -89,8 +89,9 @@ class HelionBackend(Backend):
 
     def supports_recurrent(self, spec: RecurrentSpec) -> Verdict:
         return Verdict.no(
-            "no Helion decode kernel: the triton backend's decode step already runs at 59-82% of the copy "
-            "bandwidth on the H200, and a Helion one was not written or measured against it"
+            "no Helion decode kernel in this backend: the triton backend's decode step runs at 59-82% of the "
+            "copy bandwidth on the H200, and a Helion one (benchmarks/helion_decode.py) has not been measured "
+            "against it on a GPU yet"
         )
 
     def forward(self, inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kda.backends.tilelang import forward, intra
+from kda.backends.tilelang import intra, kernels
 from kda.bench.runner import call_for
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
@@ -96,7 +96,7 @@ def main() -> int:
         print(f"tilelang_stages: {error}", file=sys.stderr)
         return 2
     pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
-    real = forward.compile_all
+    real = kernels.compile_all
 
     def timed(spec):
         def wrap(name, kernel):
@@ -111,7 +111,7 @@ def main() -> int:
 
         return {name: wrap(name, kernel) for name, kernel in real(spec).items()}
 
-    forward.compile_all = timed  # type: ignore[assignment]
+    kernels.compile_all = timed  # type: ignore[assignment]
     for shape_name in args.shapes:
         for mode_name in args.mode:
             inputs = make_inputs(BenchShape.parse(shape_name), MODES[mode_name], "cuda", seed=0)
@@ -120,7 +120,7 @@ def main() -> int:
                 print(f"{shape_name} {mode_name}: not run ({why})")
                 continue
             for variant, build in builds.items():  # first calls (compilation) are not timed
-                intra.build = build  # `forward.specializations` looks it up at every call
+                intra.build = build  # `kernels.specializations` looks it up at every call
                 began = time.perf_counter()
                 run()
                 torch.cuda.synchronize()

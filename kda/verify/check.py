@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,12 +25,12 @@ from kda.backends.base import Backend, KDAGradients, KDAInputs, KDAOutputs
 from kda.reference import kda_reference
 from kda.spec import CaseClass, KDASpec
 from kda.verify.cases import VerificationCase, cases_for, make_inputs
-from kda.verify.policy import FP32_TOLERANCE, LONG_T, LOW_PRECISION_TOLERANCE, Assessment, assess, tolerance
+from kda.verify.judge import assess
+from kda.verify.policy import FP32_TOLERANCE, LONG_T, LOW_PRECISION_TOLERANCE, Assessment, tolerance
 from kda.verify.records import Record, Source
 
 if TYPE_CHECKING:
     from kda.recurrent.spec import RecurrentCaseClass
-    from kda.verify.recurrent import RecurrentCaseResult
 
 __all__ = [
     "FP32_TOLERANCE",
@@ -311,14 +311,27 @@ def _intermediate_problems(per_chunk: Any, spec: KDASpec, inputs: KDAInputs) -> 
     return []
 
 
+class CaseOutcome(Protocol):
+    """What `ClassResult` reads of one case's result: `CaseResult` (a `chunk_kda` case) or the decode op's
+    `kda.verify.recurrent.RecurrentCaseResult`."""
+
+    unsupported: bool
+    reason: str | None
+
+    @property
+    def worst_ratio(self) -> float: ...
+
+    def as_json(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class ClassResult:
-    """Every case of one class on one backend, judged as its record will be (`kda.verify.policy.assess`,
+    """Every case of one class on one backend, judged as its record will be (`kda.verify.judge.assess`,
     which hands a decode class to its own policy): a `chunk_kda` class, or the decode op's."""
 
     backend: str
     case_class: CaseClass | RecurrentCaseClass
-    cases: Sequence[CaseResult | RecurrentCaseResult]
+    cases: Sequence[CaseOutcome]
     device_type: str = "cpu"
 
     @property

@@ -11,7 +11,7 @@ measured at 1e-15 to 1e-14; see docs/design.md). The per-chunk states of ``retur
 are held to the figure of ``final_state``. ``KDA_TOLERANCE_SCALE`` (0 < s <= 1, default 1) multiplies every
 one of them: a user may tighten the policy, never loosen it.
 
-Records keep the errors each case measured, not a verdict (`kda.verify.records`), so `assess` decides
+Records keep the errors each case measured, not a verdict (`kda.verify.records`), so `assess_chunk` decides
 under the tolerances in force when the record is read: a change of policy, or of the scale, takes
 effect without verifying anything again. A record is accepted only when the errors it holds show that
 the backend met the policy on cases that could have caught it:
@@ -146,12 +146,9 @@ def judge_errors(
     return worst, problems
 
 
-def assess(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_cuda: bool) -> Assessment:
-    """Judge the cases one record holds (each as `kda.verify.check.CaseResult.as_json` wrote it)."""
-    if case_class_key.startswith("recurrent/"):  # the decode op has its own policy
-        from kda.verify.recurrent_policy import assess_recurrent
-
-        return assess_recurrent(case_class_key, cases)
+def assess_chunk(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_cuda: bool) -> Assessment:
+    """Judge the cases one record of a `chunk_kda` class holds (each as `kda.verify.check.CaseResult.as_json`
+    wrote it). The decode op's classes have a policy of their own; `kda.verify.judge.assess` takes either."""
     try:
         case_class = CaseClass.from_key(case_class_key)
     except (ValueError, TypeError):

@@ -29,7 +29,8 @@ from kda import store as disk
 from kda._version import __version__
 from kda.backends.base import Backend
 from kda.store import TRACKED_PACKAGES, device_identity, package_versions
-from kda.verify.policy import Assessment, assess
+from kda.verify.judge import assess
+from kda.verify.policy import Assessment
 
 __all__ = [
     "RECORD_FORMAT",
@@ -69,7 +70,7 @@ RECORD_FORMAT = 2
 class Record:
     """What verifying one backend on one case class measured: each case's sizes, seed and per-tensor
     errors. Whether that passes is decided when the record is read, under the tolerances in force
-    (`kda.verify.policy.assess`), never taken from the file's word."""
+    (`kda.verify.judge.assess`), never taken from the file's word."""
 
     case_class: str
     source: Source  # "verify" (the CLI) or "lazy" (the dispatcher, on first use)

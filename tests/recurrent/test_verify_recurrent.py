@@ -10,7 +10,7 @@ from kda.backends.base import RecurrentResult
 from kda.backends.torch import TorchBackend
 from kda.backends.torch.recurrent import torch_recurrent
 from kda.recurrent.spec import RecurrentCaseClass
-from kda.verify.policy import assess
+from kda.verify.judge import assess
 from kda.verify.recurrent import recurrent_grid, verify_recurrent_class
 from tests.recurrent.helpers import decode_call
 

@@ -23,7 +23,8 @@ from kda.backends.torch import TorchBackend
 from kda.spec import CaseClass, GateMode
 from kda.verify.cases import cases_for
 from kda.verify.check import ClassResult, is_verifying, run_case, verify_class
-from kda.verify.policy import LONG_T, LOW_PRECISION_TOLERANCE, assess, tolerance
+from kda.verify.judge import assess
+from kda.verify.policy import LONG_T, LOW_PRECISION_TOLERANCE, tolerance
 from kda.verify.records import RECORD_FORMAT, default_store, fingerprint
 
 # A cheap forward class with a final state, at chunk 32 (the chunk of the report: cases 77, 91, 29 long).

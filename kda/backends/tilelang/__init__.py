@@ -88,10 +88,10 @@ class TileLangBackend(Backend):
             broken.append("use_graph with cu_seqlens: lays out its chunks from cu_seqlens' values on the host")
         if broken:
             return Verdict.unless(broken)
-        from kda.backends.tilelang.forward import compile_all
+        from kda.backends.tilelang import kernels
 
         try:
-            compile_all(spec)
+            kernels.compile_all(spec)
         except runtime.CompileFailure as failure:
             return Verdict.no(f"a kernel did not compile: {failure}")
         return Verdict.yes()

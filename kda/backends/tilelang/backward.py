@@ -18,51 +18,18 @@ gradient the state pass starts from zeros.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kda.backends import chunks
 from kda.backends.base import KDAGradients, KDAInputs
-from kda.backends.tilelang import chunk_backward, score_backward, state_backward, tails
-from kda.backends.tilelang.forward import rows_dtype
+from kda.backends.tilelang import kernels
 from kda.spec import KDASpec
-
-
-def specializations(spec: KDASpec, dtype: str, gate_params: tuple[Any, ...]) -> list[tuple[str, Any, tuple[Any, ...]]]:
-    """The backward's kernels with their compile-time parameters (``dtype`` the inputs' dtype name and
-    ``gate_params`` as the forward's `intra` takes them: gate mode, dt_bias, beta sigmoid, the gate's and
-    beta's dtypes, lower bound, beta scale)."""
-    C, K, V = spec.chunk_size, spec.K, spec.V
-    rows = rows_dtype(spec, dtype)
-    return [
-        (
-            "state_backward",
-            state_backward.build,
-            (
-                C,
-                K,
-                V,
-                state_backward.block_v(K, V),
-                dtype,
-                spec.output_final_state,
-                spec.initial_state is not None,
-                spec.state_v_first,
-            ),
-        ),
-        ("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale), rows)),
-        ("score_backward", score_backward.build, (C, K, dtype, rows)),
-        ("gate_tail", tails.build_gate_tail, (C, K, *gate_params)),
-        ("qk_tail", tails.build_qk_tail, (C, K, dtype, spec.use_qk_l2norm_in_kernel, rows)),
-    ]
 
 
 def tilelang_backward(
     inputs: KDAInputs, spec: KDASpec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None
 ) -> KDAGradients:
-    from kda.backends.tilelang.forward import compile_all
-
-    kernels = compile_all(spec)
+    compiled = kernels.compile_all(spec)
     layout = saved["layout"]
     device, f32 = spec.device, torch.float32
     B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
@@ -89,7 +56,7 @@ def tilelang_backward(
                 if dfinal_state is not None
                 else torch.zeros(spec.state_shape, dtype=f32, device=device)
             )
-        kernels["state_backward"](
+        compiled["state_backward"](
             do, saved["q_e"], saved["w"], saved["k_g"], saved["A_qk"], saved["G_last"], starts, ends,
             layout.chunk_bounds[:-1].clone(), layout.chunk_bounds[1:].clone(), dht, dh, dv_new,
             dh0 if dh0 is not None else placeholder,
@@ -98,21 +65,21 @@ def tilelang_backward(
         dP_qk, dP_kk = (torch.empty(NT, HV, C, C, dtype=f32, device=device) for _ in range(2))
         dbeta_c = torch.empty(NT, HV, C, dtype=f32, device=device)
         q, k = saved["q"], saved["k"]
-        kernels["chunk_backward"](
+        compiled["chunk_backward"](
             do, inputs.v.reshape(tokens, HV, V).contiguous(), q, k, saved["G"], saved["beta"], saved["T"], saved["M"],
             saved["h"], dh, saved["v_new"], dv_new, starts, ends, dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
         )  # fmt: skip
-        kernels["score_backward"](q, k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
+        compiled["score_backward"](q, k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
         A_log = (
             inputs.A_log.float().contiguous() if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
         )
         dt_bias = inputs.dt_bias.reshape(HV, K).float().contiguous() if inputs.dt_bias is not None else placeholder
-        kernels["gate_tail"](
+        compiled["gate_tail"](
             inputs.g.reshape(tokens, HV, K).contiguous(), inputs.beta.reshape(tokens, HV).contiguous(), A_log,
             dt_bias, dG_c, dbeta_c, starts, ends, dg32, dbeta, dA_rows,
         )  # fmt: skip
         for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
-            kernels["qk_tail"](x_hat, rstd if rstd is not None else placeholder, dx_c, starts, ends, dx)
+            compiled["qk_tail"](x_hat, rstd if rstd is not None else placeholder, dx_c, starts, ends, dx)
     else:  # every sequence empty: nothing but the state's own gradient
         for grad in (dv, dg32, dbeta, dq, dk):
             grad.zero_()

@@ -24,7 +24,7 @@ from kda.verify.cases import VerificationCase, make_inputs
 
 pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
 
-from kda.backends.tilelang import CHUNKS, HEAD_DIMS, TileLangBackend, forward, runtime
+from kda.backends.tilelang import CHUNKS, HEAD_DIMS, TileLangBackend, kernels, runtime
 
 H200_SHARED_MEMORY = 232448  # bytes of dynamic shared memory one block may ask for (227 KB)
 
@@ -50,7 +50,7 @@ VARIANTS = {
 CLAIMED = [(chunk, dim, dtype) for chunk in CHUNKS for dim in HEAD_DIMS for dtype in ("bfloat16", "float16")]
 
 
-def _lower(kernel: forward.Kernel) -> tuple[str, int]:
+def _lower(kernel: kernels.Kernel) -> tuple[str, int]:
     artifact = runtime.lower(kernel.builder(*kernel.params))
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
@@ -63,7 +63,7 @@ def lowered() -> dict:
     specs: dict = {claim: spec_of(K=claim[1], V=claim[1], chunk_size=claim[0], dtype=claim[2]) for claim in CLAIMED}
     specs |= {name: spec_of(K=128, V=64, chunk_size=64, **changes) for name, changes in VARIANTS.items()}
     specs["training"] = spec_of(K=128, V=128, chunk_size=64, training=True)
-    jobs = {(what, kernel.name): kernel for what, spec in specs.items() for kernel in forward.specializations(spec)}
+    jobs = {(what, kernel.name): kernel for what, spec in specs.items() for kernel in kernels.specializations(spec)}
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         futures = {job: pool.submit(_lower, kernel) for job, kernel in jobs.items()}
     return {job: future.exception() or future.result() for job, future in futures.items()}
@@ -163,11 +163,11 @@ def test_training_adds_the_backward_and_the_forward_saves_for_it():
     """A training call's kernels are the forward's three, `intra` compiled to save what the backward reads
     (its last parameter), and the backward's five; an inference call's `intra` saves nothing."""
     inference, training = spec_of(K=64, V=64), spec_of(K=64, V=64, training=True)
-    assert [kernel.name for kernel in forward.specializations(inference)] == ["intra", "state", "output"]
-    kernels = forward.specializations(training)
-    assert [kernel.name for kernel in kernels] == ["intra", "state", "output", *BACKWARD]
-    assert kernels[0].params[-1] is True and forward.specializations(inference)[0].params[-1] is False
-    assert kernels[0].params[:-1] == forward.specializations(inference)[0].params[:-1]
+    assert [kernel.name for kernel in kernels.specializations(inference)] == ["intra", "state", "output"]
+    trained = kernels.specializations(training)
+    assert [kernel.name for kernel in trained] == ["intra", "state", "output", *BACKWARD]
+    assert trained[0].params[-1] is True and kernels.specializations(inference)[0].params[-1] is False
+    assert trained[0].params[:-1] == kernels.specializations(inference)[0].params[:-1]
 
 
 def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
@@ -189,7 +189,7 @@ def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
         assert uses[0] > uses[1], (stored, uses)
 
 
-def _dtypes(kernel: forward.Kernel) -> dict[str, str]:
+def _dtypes(kernel: kernels.Kernel) -> dict[str, str]:
     """The dtype of each tensor parameter of `kernel`'s prim_func, by name."""
     func = kernel.builder(*kernel.params)
     return {buffer.name: str(buffer.dtype) for buffer in func.buffer_map.values()}
@@ -202,9 +202,9 @@ def test_training_keeps_what_dA_log_needs_in_fp32(l2norm):
     ``v_new``, and within 0.03 of it with those in fp32. Training passes them in fp32 from stage to stage;
     inference keeps the inputs' dtype (the bytes are the forward's cost)."""
     training = {
-        k.name: _dtypes(k) for k in forward.specializations(spec_of(K=64, V=64, training=True, qk_l2norm=l2norm))
+        k.name: _dtypes(k) for k in kernels.specializations(spec_of(K=64, V=64, training=True, qk_l2norm=l2norm))
     }
-    inference = {k.name: _dtypes(k) for k in forward.specializations(spec_of(K=64, V=64, qk_l2norm=l2norm))}
+    inference = {k.name: _dtypes(k) for k in kernels.specializations(spec_of(K=64, V=64, qk_l2norm=l2norm))}
     assert training["intra"]["u"] == training["state"]["u"] == "float32"
     assert training["output"]["v_new"] == training["chunk_backward"]["v_new"] == "float32"
     rows = "float32" if l2norm else "bfloat16"  # without the l2norm the rows are the inputs themselves
@@ -220,10 +220,10 @@ def test_training_keeps_what_dA_log_needs_in_fp32(l2norm):
 
 def test_sequence_length_batch_and_heads_are_not_compiled_in():
     """Calls that differ only in length, batch layout or head counts share every kernel specialization."""
-    assert forward.specializations(spec_of(K=64, V=64, T=33)) == forward.specializations(spec_of(K=64, V=64, T=900))
-    assert forward.specializations(spec_of(K=64, V=64)) == forward.specializations(spec_of(K=64, V=64, gva=True))
-    a = forward.specializations(spec_of(K=64, V=64, varlen=True, T=70))
-    b = forward.specializations(spec_of(K=64, V=64, varlen=True, T=400))
+    assert kernels.specializations(spec_of(K=64, V=64, T=33)) == kernels.specializations(spec_of(K=64, V=64, T=900))
+    assert kernels.specializations(spec_of(K=64, V=64)) == kernels.specializations(spec_of(K=64, V=64, gva=True))
+    a = kernels.specializations(spec_of(K=64, V=64, varlen=True, T=70))
+    b = kernels.specializations(spec_of(K=64, V=64, varlen=True, T=400))
     assert a == b
 
 

@@ -19,7 +19,7 @@ from kda.verify.policy import tolerance
 
 pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
 
-from kda.backends.tilelang import forward, runtime
+from kda.backends.tilelang import kernels, runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -77,13 +77,13 @@ def test_backward_gives_every_gradient(seed, variant, regime, head_dim):
 @pytest.mark.usefixtures("hopper")
 def test_the_tilelang_kernels_are_what_ran(monkeypatch):
     launched: list[str] = []
-    real = forward.compile_all
+    real = kernels.compile_all
 
     def spying(spec):
-        kernels = real(spec)
-        return {name: _Counted(name, kernel, launched) for name, kernel in kernels.items()}
+        built = real(spec)
+        return {name: _Counted(name, kernel, launched) for name, kernel in built.items()}
 
-    monkeypatch.setattr(forward, "compile_all", spying)
+    monkeypatch.setattr(kernels, "compile_all", spying)
     monkeypatch.setenv("KDA_VERIFY", "off")  # the route, not the verifier's own calls
     B, T, H, K, V = 1, 200, 2, 64, 64
     device, bf16 = "cuda", torch.bfloat16
@@ -102,9 +102,9 @@ def test_the_tilelang_kernels_are_what_ran(monkeypatch):
 @pytest.mark.usefixtures("hopper")
 def test_training_runs_the_tilelang_backward(monkeypatch):
     launched: list[str] = []
-    real = forward.compile_all
+    real = kernels.compile_all
     monkeypatch.setattr(
-        forward, "compile_all", lambda spec: {n: _Counted(n, k, launched) for n, k in real(spec).items()}
+        kernels, "compile_all", lambda spec: {n: _Counted(n, k, launched) for n, k in real(spec).items()}
     )
     monkeypatch.setenv("KDA_VERIFY", "off")
     B, T, H, K, V = 1, 150, 2, 64, 64

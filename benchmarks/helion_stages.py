@@ -2,11 +2,15 @@
 
     KDA_VERIFY=off python benchmarks/helion_stages.py --mode fwd --mode train_safe B4_T2048_H16_D128
     KDA_VERIFY=off python benchmarks/helion_stages.py --sync-each --mode train_safe B1_T1024_H4_D256
+    python benchmarks/helion_stages.py --sync-each --case safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train
 
 Runs the bench's own callable (`kda.bench.runner.call_for`, so exactly what the bench times) with every
 Helion launch wrapped in CUDA events, and prints each kernel's median GPU milliseconds per call and its
 share of the call. ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
-that an illegal memory access names the kernel that made it.
+that an illegal memory access names the kernel that made it. ``--case KEY`` runs a verification class's own
+cases instead (`kda.verify.check.run_case`: its inputs, sizes and seeds, printed first), with the backend's
+head-dim limit for training lifted: how a class the backend declines because a kernel faulted there is
+brought back to the fault.
 """
 
 from __future__ import annotations
@@ -54,15 +58,37 @@ def instrument(times: dict[str, list[float]], sync_each: bool) -> None:
     instrument.collect = collect  # type: ignore[attr-defined]
 
 
+def run_class(key: str) -> None:
+    """Every case of verification class `key` on the helion backend, its head-dim limits lifted."""
+    import kda.backends.helion as helion_backend
+    from kda.spec import CaseClass
+    from kda.verify.cases import cases_for
+    from kda.verify.check import run_case
+
+    helion_backend.TRAINING_HEAD_DIM_LIMIT = helion_backend.HEAD_DIM_LIMIT  # `supports` reads it per call
+    backend = helion_backend.HelionBackend()
+    for case in cases_for(CaseClass.from_key(key), quick=False, long=True):
+        print(f"case {case.describe()}", flush=True)
+        result = run_case(backend, case, "cuda")
+        verdict = "pass" if result.passed else f"FAIL {result.reason}"
+        print(f"  {verdict}; errors {result.errors}; problems {result.problems}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="+")
-    parser.add_argument("--mode", action="append", required=True, choices=sorted(MODES))
+    parser.add_argument("shapes", nargs="*")
+    parser.add_argument("--mode", action="append", default=[], choices=sorted(MODES))
+    parser.add_argument("--case", default=None, help="a verification class key: run its cases instead")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sync-each", action="store_true")
     args = parser.parse_args()
+    if args.case is None and not (args.shapes and args.mode):
+        parser.error("give shapes and --mode, or --case KEY")
     times: dict[str, list[float]] = defaultdict(list)
     instrument(times, args.sync_each)
+    if args.case is not None:
+        run_class(args.case)
+        return
     for shape_name in args.shapes:
         for mode_name in args.mode:
             inputs = make_inputs(BenchShape.parse(shape_name), MODES[mode_name], "cuda", seed=0)

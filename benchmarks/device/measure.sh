@@ -27,7 +27,8 @@
 #   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
 #   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel at STAGE_SHAPES (default
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
-#                training at head dim 256 with a synchronize after each launch, which names a faulting kernel
+#                the cases of the d256 training class that faulted (HELION_FAULT_CASE) with a synchronize after
+#                each launch, which names a faulting kernel
 #   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
 #                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
 #   tests        the test suite on CUDA (its GPU-only tests run there); TESTS narrows it (pytest paths and
@@ -177,8 +178,9 @@ for target in "$@"; do
       KDA_VERIFY=off timeout "$(left 90)" python3 benchmarks/helion_stages.py --mode "$mode" \
         ${STAGE_SHAPES:-B4_T2048_H16_D128} >> "$OUT/helion-stages/kernels.txt" 2>&1
     done
-    KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/helion_stages.py --sync-each \
-      --mode train_safe B1_T1024_H4_D256 > "$OUT/helion-stages/d256.txt" 2>&1
+    # the d256 training class that faulted, its own cases, each launch synchronized (names the kernel)
+    timeout "$(left 20)" python3 benchmarks/helion_stages.py --sync-each \
+      --case "${HELION_FAULT_CASE:-safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train}" > "$OUT/helion-stages/d256.txt" 2>&1
     echo "helion-stages d256: exit $?"
     grep -v -i warn "$OUT/helion-stages/kernels.txt" | tail -60; tail -n 12 "$OUT/helion-stages/d256.txt"
     ;;

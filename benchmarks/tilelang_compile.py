@@ -1,9 +1,10 @@
 """The tilelang backend's compile costs on the GPU, per head size (GPU only).
 
-    python benchmarks/tilelang_compile.py [--head-dims 64,128,256]
+    python benchmarks/tilelang_compile.py [--head-dims 64,128,256] [--mode fwd | train_safe]
 
 For each head size, in a new process with an empty TileLang cache directory: the first call (the cold
-compile of the forward's three kernels through nvcc, plus the call), then a call at a new length, batch
+compile through nvcc of the forward's three kernels, or with ``--mode train_safe`` of all eight a training
+step runs, plus the call), then a call at a new length, batch
 and head count (no compile: those are dynamic in every kernel); then, in another new process on the same
 cache directory, the first call again (the kernels loaded from TileLang's disk cache). Prints one JSON
 line per head size. Verification is off (``KDA_VERIFY=off``) so that only the call's own compiles count.
@@ -20,15 +21,16 @@ import tempfile
 import time
 
 
-def one_call(shape: str) -> float:
-    """Seconds for one forward call of the bench's `fwd` mode at `shape` on the tilelang backend, synced."""
+def one_call(shape: str, mode: str) -> float:
+    """Seconds for one call of the bench's `mode` at `shape` on the tilelang backend (a training mode: the
+    forward and the backward), synced."""
     import torch
 
     from kda.bench.runner import call_for
     from kda.bench.shapes import MODES, BenchShape, make_inputs
 
-    inputs = make_inputs(BenchShape.parse(shape), MODES["fwd"], "cuda", seed=0)
-    call, why = call_for("tilelang", inputs, MODES["fwd"])
+    inputs = make_inputs(BenchShape.parse(shape), MODES[mode], "cuda", seed=0)
+    call, why = call_for("tilelang", inputs, MODES[mode])
     if call is None:
         raise SystemExit(f"tilelang_compile: no call: {why}")
     torch.cuda.synchronize()
@@ -38,14 +40,18 @@ def one_call(shape: str) -> float:
     return time.perf_counter() - started
 
 
-def child(shapes: list[str]) -> None:
-    print(json.dumps([round(one_call(shape), 3) for shape in shapes]), flush=True)
+def child(mode: str, shapes: list[str]) -> None:
+    print(json.dumps([round(one_call(shape, mode), 3) for shape in shapes]), flush=True)
 
 
-def run_child(shapes: list[str], cache: str) -> list[float]:
+def run_child(mode: str, shapes: list[str], cache: str) -> list[float]:
     env = {**os.environ, "TILELANG_CACHE_DIR": cache, "KDA_VERIFY": "off"}
     done = subprocess.run(
-        [sys.executable, __file__, "--child", *shapes], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, __file__, "--mode", mode, "--child", *shapes],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if done.returncode != 0:
         raise SystemExit(f"tilelang_compile: child failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -55,17 +61,18 @@ def run_child(shapes: list[str], cache: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--mode", default="fwd", choices=["fwd", "train_safe"])
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        child(args.child)
+        child(args.mode, args.child)
         return 0
     for dim in (int(d) for d in args.head_dims.split(",")):
         first, other = f"B1_T1024_H4_D{dim}", f"B2_T3000_H16_D{dim}"
         with tempfile.TemporaryDirectory(prefix="tilelang-cache-") as cache:
-            cold, new_shape = run_child([first, other], cache)
-            (cached,) = run_child([first], cache)
-        print(json.dumps({"head_dim": dim, "cold_first_call_s": cold, "new_shape_s": new_shape,
+            cold, new_shape = run_child(args.mode, [first, other], cache)
+            (cached,) = run_child(args.mode, [first], cache)
+        print(json.dumps({"head_dim": dim, "mode": args.mode, "cold_first_call_s": cold, "new_shape_s": new_shape,
                           "cached_new_process_s": cached}), flush=True)  # fmt: skip
     return 0
 

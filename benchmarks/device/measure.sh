@@ -35,7 +35,8 @@
 #                options, e.g. "-m gpu tests/backends/tilelang"); TEST_GROUPS ("args; args; ...") runs one
 #                pytest process a group, side by side -> tests/pytest-N.txt
 #   tilelang-compile  benchmarks/tilelang_compile.py: the tilelang backend's cold compile per head size, a first
-#                call at a new shape once compiled, and a new process on TileLang's disk cache -> times.jsonl
+#                call at a new shape once compiled, and a new process on TileLang's disk cache -> times.jsonl,
+#                for each of TILELANG_COMPILE_MODES (default fwd; train_safe compiles the backward's five too)
 #                (the tilelang backend needs TileLang carried: `prepare.sh all`, or `prepare.sh tilelang` too;
 #                its compiled kernels are not kept in state.tgz: with them it passed the 16 MiB a file comes back at)
 #   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang backend's time and bytes per kernel at
@@ -202,8 +203,10 @@ for target in "$@"; do
     ;;
   tilelang-compile)
     mkdir -p "$OUT/tilelang-compile"
-    timeout "$(left 20)" python3 benchmarks/tilelang_compile.py --head-dims "${TILELANG_DIMS:-64,128,256}" \
-      > "$OUT/tilelang-compile/times.jsonl" 2> "$OUT/tilelang-compile/log.txt"
+    for mode in ${TILELANG_COMPILE_MODES:-fwd}; do
+      timeout "$(left 20)" python3 benchmarks/tilelang_compile.py --head-dims "${TILELANG_DIMS:-64,128,256}" \
+        --mode "$mode" >> "$OUT/tilelang-compile/times.jsonl" 2>> "$OUT/tilelang-compile/log.txt"
+    done
     echo "tilelang-compile: exit $?"; cat "$OUT/tilelang-compile/times.jsonl"; tail -n 5 "$OUT/tilelang-compile/log.txt"
     ;;
   tilelang-stages)

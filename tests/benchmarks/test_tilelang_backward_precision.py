@@ -68,11 +68,14 @@ def test_the_configurations_keep_each_rounding_exact_in_turn():
 @pytest.mark.parametrize(
     "key", ["safe/l2/sig/bf16/dense/mha/h0+ht/c32/d64/train", "sigmoid/l2/sig/bf16/dense/mha/ht/c32/d64/train"]
 )
-def test_the_shipped_roundings_lower_dA_logs_error_against_version_5s(key):
+def test_the_shipped_roundings_lower_dA_logs_error_against_version_5s(seed, key):
     """Version 6 keeps in fp32 what ``dA_log`` needs most; over fresh draws its median error is below
     version 5's (every intermediate in bf16) and a small part of the tolerance. It does not make every draw
-    pass: at this shape (K = 16) 2 of 40 sigmoid draws still missed, against 4 of 40 for version 5."""
-    seeds = [random.randrange(2**31) for _ in range(15)]
+    pass: at this shape (K = 16) 2 of 40 sigmoid draws still missed, against 4 of 40 for version 5. (Over 80
+    draws a class the medians were 0.066 and 0.048 of the tolerance against version 5's 0.38 and 0.36; no
+    resampled set of 15 broke either assertion.)"""
+    draw = random.Random(seed)  # the test's seed (KDA_TEST_SEED) reproduces the fifteen draws
+    seeds = [draw.randrange(2**31) for _ in range(15)]
     shipped, version_5 = [], []
     for seed in seeds:
         kwargs, upstream = tiny(key, seed=seed)

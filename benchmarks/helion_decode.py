@@ -4,10 +4,12 @@
 
 The helion backend declines `fused_recurrent_kda` until a Helion kernel is measured to beat the triton
 backend's decode step (which runs at 59-82 % of the copy bandwidth on the H200). This script is that
-measurement. Its kernel is the serving step the decode bench times at T = 1: one token per sequence, the
-state read from and written back to a pool slot (``ssm_state_indices [N]``, a negative slot a padding row
-whose output is 0 and whose state nothing touches), the bounded sigmoid gate, the l2norm and beta's
-sigmoid in the kernel. Per sequence ``n`` and value head ``hv``, in fp32::
+measurement. Its kernel is the serving step the decode bench times: T tokens per sequence, the state read
+from a pool slot and written back (``ssm_state_indices [N]``; a negative slot a padding row whose outputs
+are 0 and whose state nothing touches), or with speculative decoding (``[N, T]``, one slot per token)
+read from column ``num_accepted_tokens[n] - 1`` and written after every token into that token's column
+(a negative one skipped); the bounded sigmoid gate, the l2norm and beta's sigmoid in the kernel. Per
+sequence ``n`` and value head ``hv``, token after token, in fp32::
 
     q, k  <- q / sqrt(sum q^2 + 1e-6) * scale,  k / sqrt(sum k^2 + 1e-6)
     a     =  max(lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias[hv])), -32)           [K]
@@ -40,53 +42,65 @@ import torch
 
 from kda.reference import LOG_DECAY_FLOOR
 
-SHAPES = [f"N{n}_T1_HV32_D128_{pool}" for pool in ("fp32", "bf16") for n in (1, 64, 256)]
+SHAPES = [f"N{n}_T{t}_HV32_D128_{pool}" for pool in ("fp32", "bf16") for t in (1, 4) for n in (1, 64, 256)]
 CONFIGS = ["16x1", "16x2", "32x1", "32x2", "32x4", "64x2", "64x4", "64x8", "128x4", "128x8"]
 
 
 def decode_kernel(
-    q: torch.Tensor,  # [N, H, K]
-    k: torch.Tensor,  # [N, H, K]
-    v: torch.Tensor,  # [N, HV, V]
-    g: torch.Tensor,  # [N, HV, K] the gate's input
-    beta: torch.Tensor,  # [N, HV] beta's logits
+    q: torch.Tensor,  # [N, T, H, K]
+    k: torch.Tensor,  # [N, T, H, K]
+    v: torch.Tensor,  # [N, T, HV, V]
+    g: torch.Tensor,  # [N, T, HV, K] the gate's input
+    beta: torch.Tensor,  # [N, T, HV] beta's logits
     A_log: torch.Tensor,  # [HV] fp32
     dt_bias: torch.Tensor,  # [HV, K] fp32
     pool: torch.Tensor,  # [slots, HV, K, V], read and written in place
-    slots: torch.Tensor,  # [N] int32; negative: a padding row
-    o: torch.Tensor,  # [N, HV, V] out
+    slots: torch.Tensor,  # [N, 1] int32 (one slot a sequence) or [N, T] (one a token); negative: none
+    accepted: torch.Tensor,  # [N] int32: the state is read from column accepted[n] - 1 (ones without)
+    o: torch.Tensor,  # [N, T, HV, V] out
     scale: float,
     lower_bound: float,
+    PER_TOKEN: hl.constexpr,
 ) -> None:
     N = v.size(0)
-    HV = v.size(1)
-    V = v.size(2)
-    group = HV // q.size(1)
-    hl.specialize(q.size(2))  # K: the state's rows are one static tile
+    T = v.size(1)
+    HV = v.size(2)
+    V = v.size(3)
+    group = HV // q.size(2)
+    hl.specialize(q.size(3))  # K: the state's rows are one static tile
     for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
         n = tile_n.begin
         hv = tile_hv.begin
         h = hv // group
-        slot = slots[n]
-        o[n, hv, tile_v] = hl.zeros([tile_v], dtype=o.dtype)  # a padding row's output
-        # The slot as a loop of one step, or of none for a padding row: its state is neither read nor
-        # written, with no masked store (whose address would still have to be a slot of the pool).
-        for tile_s in hl.tile(torch.where(slot >= 0, slot, 0), torch.where(slot >= 0, slot + 1, 0), block_size=1):
-            s = tile_s.begin
-            S = pool[s, hv, :, tile_v].to(torch.float32)  # [K, BV]
-            q_n = q[n, h, :].to(torch.float32)  # [K]
-            k_n = k[n, h, :].to(torch.float32)
-            q_n = q_n * torch.rsqrt(torch.sum(q_n * q_n) + 1e-6) * scale
-            k_n = k_n * torch.rsqrt(torch.sum(k_n * k_n) + 1e-6)
-            x = g[n, hv, :].to(torch.float32) + dt_bias[hv, :]
-            a = lower_bound * torch.sigmoid(torch.exp(A_log[hv]) * x)
-            a = torch.where(a < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, a)
-            b = torch.sigmoid(beta[n, hv].to(torch.float32))
-            S = S * torch.exp(a)[:, None]
-            delta = b * (v[n, hv, tile_v].to(torch.float32) - torch.sum(S * k_n[:, None], dim=0))  # [BV]
-            S = S + k_n[:, None] * delta[None, :]
-            o[n, hv, tile_v] = torch.sum(S * q_n[:, None], dim=0).to(o.dtype)
-            pool[s, hv, :, tile_v] = S.to(pool.dtype)
+        read = slots[n, accepted[n] - 1]
+        for tile_t in hl.tile(T, block_size=1):  # a padding row's outputs
+            o[n, tile_t.begin, hv, tile_v] = hl.zeros([tile_v], dtype=o.dtype)
+        # A slot as a loop of one step, or of none for a padding row: its state is neither read nor written,
+        # with no masked store (whose address would still have to be a slot of the pool)
+        for tile_s in hl.tile(torch.where(read >= 0, read, 0), torch.where(read >= 0, read + 1, 0), block_size=1):
+            S = pool[tile_s.begin, hv, :, tile_v].to(torch.float32)  # [K, BV]
+            for tile_t in hl.tile(T, block_size=1):  # the tokens, in order
+                t = tile_t.begin
+                q_t = q[n, t, h, :].to(torch.float32)  # [K]
+                k_t = k[n, t, h, :].to(torch.float32)
+                q_t = q_t * torch.rsqrt(torch.sum(q_t * q_t) + 1e-6) * scale
+                k_t = k_t * torch.rsqrt(torch.sum(k_t * k_t) + 1e-6)
+                x = g[n, t, hv, :].to(torch.float32) + dt_bias[hv, :]
+                a = lower_bound * torch.sigmoid(torch.exp(A_log[hv]) * x)
+                a = torch.where(a < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, a)
+                b = torch.sigmoid(beta[n, t, hv].to(torch.float32))
+                S = S * torch.exp(a)[:, None]
+                delta = b * (v[n, t, hv, tile_v].to(torch.float32) - torch.sum(S * k_t[:, None], dim=0))  # [BV]
+                S = S + k_t[:, None] * delta[None, :]
+                o[n, t, hv, tile_v] = torch.sum(S * q_t[:, None], dim=0).to(o.dtype)
+                if PER_TOKEN:
+                    write = slots[n, t]
+                    for tile_w in hl.tile(
+                        torch.where(write >= 0, write, 0), torch.where(write >= 0, write + 1, 0), block_size=1
+                    ):
+                        pool[tile_w.begin, hv, :, tile_v] = S.to(pool.dtype)
+            if not PER_TOKEN:
+                pool[tile_s.begin, hv, :, tile_v] = S.to(pool.dtype)
 
 
 @functools.cache
@@ -104,27 +118,34 @@ def kernel_for(config: str | None) -> Any:
 
 
 def decode_args(kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], torch.Tensor]:
-    """The kernel's arguments for a decode bench call at T = 1 (`kda.bench.decode.decode_inputs`), and the
-    output buffer ``[N, 1, HV, V]`` they write."""
-    q, k, v, g, beta = (kwargs[name][:, 0] for name in ("q", "k", "v", "g", "beta"))
-    if q.shape[0] != kwargs["q"].shape[0] or kwargs["q"].shape[1] != 1:
-        raise ValueError("the Helion decode kernel takes one token per sequence")
-    HV, K = v.shape[1], q.shape[2]
-    o = torch.empty(v.shape[0], 1, HV, v.shape[2], dtype=v.dtype, device=v.device)
+    """The kernel's arguments for a decode bench call (`kda.bench.decode.decode_inputs`: a pool,
+    ``ssm_state_indices`` ``[N]`` or ``[N, T]`` with ``num_accepted_tokens``), and the output ``[N, T, HV, V]``
+    they write."""
+    q, k, v, g, beta = (kwargs[name].contiguous() for name in ("q", "k", "v", "g", "beta"))
+    N, T, HV, V = v.shape
+    K = q.shape[3]
+    slots = kwargs["ssm_state_indices"]
+    per_token = slots.dim() == 2
+    accepted = kwargs.get("num_accepted_tokens")
+    if accepted is None:
+        accepted = torch.ones(N, dtype=torch.int32, device=q.device)
+    o = torch.empty(N, T, HV, V, dtype=v.dtype, device=v.device)
     scale = kwargs.get("scale") or K**-0.5
     args = (
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
+        q,
+        k,
+        v,
+        g,
+        beta,
         kwargs["A_log"].float().reshape(HV).contiguous(),
         kwargs["dt_bias"].float().reshape(HV, K).contiguous(),
         kwargs["initial_state"],
-        kwargs["ssm_state_indices"],
-        o[:, 0],
+        (slots if per_token else slots.reshape(N, 1)).contiguous(),
+        accepted.to(torch.int32).contiguous(),
+        o,
         float(scale),
         float(kwargs["lower_bound"]),
+        per_token,
     )
     return args, o
 
@@ -165,8 +186,6 @@ def measure(shape_name: str, configs: list[str], bandwidth: float) -> None:
     from kda.bench.decode import DecodeShape, decode_inputs, fla_direct
 
     shape = DecodeShape.parse(shape_name)
-    if shape.T != 1:
-        raise SystemExit(f"{shape_name}: the Helion decode kernel takes T = 1")
     device = torch.device("cuda")
     kwargs = decode_inputs(shape, device, seed=0)
     pool0 = kwargs["initial_state"].clone()
@@ -215,7 +234,9 @@ def measure(shape_name: str, configs: list[str], bandwidth: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", action="append", default=None, help="decode shapes with T = 1")
+    parser.add_argument(
+        "--shape", action="append", default=None, help="decode shapes (default: the decode bench's twelve)"
+    )
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="BVxW: value columns x warps")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -181,6 +181,19 @@ def _graph_ms(run: Callable[[], Any], replays: int = 200) -> float:
     return statistics.median(times)
 
 
+def _time_ms(run: Callable[[], Any], how: list[str]) -> float:
+    """A CUDA-graph replay's median time, or, where `run` cannot be captured, the eager call's (noted in
+    `how`, so that the report says which it is)."""
+    try:
+        return _graph_ms(run)
+    except Exception as error:  # a host step that a capture refuses: time the eager call instead
+        torch.cuda.synchronize()
+        how.append(f"eager ({type(error).__name__})")
+        from kda.bench.timing import median_ms
+
+        return median_ms(run, torch.device("cuda"))
+
+
 def measure(shape_name: str, configs: list[str], bandwidth: float) -> None:
     import kda
     from kda.bench.decode import DecodeShape, decode_inputs, fla_direct
@@ -213,11 +226,17 @@ def measure(shape_name: str, configs: list[str], bandwidth: float) -> None:
         if max(errors) > tol:
             print(f"  {shape_name} helion {config}: WRONG (o {errors[0]:.1e}, pool {errors[1]:.1e}, tol {tol:.0e})")
             continue
-        results[config] = _graph_ms(functools.partial(kernel, *args))
+        how: list[str] = []
+        results[config] = _time_ms(functools.partial(kernel, *args), how)
+        if how:
+            print(f"  {shape_name} helion {config}: timed {how[0]}, not as a graph replay")
     kwargs["initial_state"] = pool0.clone()
-    triton_ms = _graph_ms(lambda: kda.fused_recurrent_kda(**kwargs, backend="triton"))
+    how = []
+    triton_ms = _time_ms(lambda: kda.fused_recurrent_kda(**kwargs, backend="triton"), how)
     fla = fla_direct(kwargs)
-    fla_ms = _graph_ms(fla) if callable(fla) else None
+    fla_ms = _time_ms(fla, how) if callable(fla) else None
+    if how:
+        print(f"  {shape_name}: triton or FLA timed {how}, not as graph replays")
     if not results:
         print(f"{shape_name}: no Helion configuration ran right; triton {triton_ms:.4f} ms")
         return

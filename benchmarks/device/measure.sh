@@ -31,6 +31,10 @@
 #                each launch, which names a faulting kernel
 #   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
 #                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
+#   cp-scaling   benchmarks/cp_scaling.py under torchrun on 1, 2, 4 and 8 GPUs (as many as this machine has): the
+#                equality check of both context-parallel modes against the one-GPU call at W > 1, then a
+#                training step's time per mode for each CP_SETS entry ("tokens,tokens:heads ...", default
+#                "32768,131072,262144:32 131072:96") and CP_BACKENDS (default triton) -> times.jsonl, report.txt
 #   tests        the test suite on CUDA (its GPU-only tests run there); TESTS narrows it (pytest paths and
 #                options, e.g. "-m gpu tests/backends/tilelang"); TEST_GROUPS ("args; args; ...") runs one
 #                pytest process a group, side by side -> tests/pytest-N.txt
@@ -192,6 +196,25 @@ for target in "$@"; do
       $(for s in ${HELION_DECODE_SHAPES:-}; do printf -- '--shape %s ' "$s"; done) > "$OUT/helion-decode/log.txt" 2>&1
     echo "helion-decode: exit $?"; grep -v -i warn "$OUT/helion-decode/log.txt" | tail -n 30
     ;;
+  cp-scaling)
+    mkdir -p "$OUT/cp-scaling"
+    gpus=$(nvidia-smi -L | wc -l)
+    for backend in ${CP_BACKENDS:-triton}; do
+      for set in ${CP_SETS:-32768,131072,262144:32 131072:96}; do
+        tokens=${set%%:*}; heads=${set##*:}
+        for w in 1 2 4 8; do
+          [ "$w" -le "$gpus" ] || continue
+          check=(); [ "$w" -gt 1 ] && check=(--check)
+          # shellcheck disable=SC2046
+          NCCL_NVLS_ENABLE=0 timeout "$(left 30)" torchrun --nproc-per-node "$w" benchmarks/cp_scaling.py \
+            --tokens ${tokens//,/ } --heads "$heads" --backend "$backend" "${check[@]}" \
+            --out "$OUT/cp-scaling/times.jsonl" >> "$OUT/cp-scaling/log.txt" 2>&1
+          echo "cp-scaling $backend $set W=$w: exit $?"
+        done
+      done
+    done
+    python3 benchmarks/cp_scaling.py --report "$OUT/cp-scaling/times.jsonl" | tee "$OUT/cp-scaling/report.txt"
+    ;;
   tune-helion)
     mkdir -p "$OUT/tune-helion"
     cp kda/backends/helion/tuned_sm90.json "$OUT/tune-helion/tuned_sm90.json"  # the tuner adds to the shipped entries
@@ -262,7 +285,7 @@ for target in "$@"; do
     fi
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, cp-scaling, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
     exit 2
     ;;
   esac

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -239,48 +240,56 @@ def process_group() -> Iterator[tuple[int, int, torch.device]]:
     try:
         yield dist.get_rank(), dist.get_world_size(), device
     finally:
-        dist.barrier()  # leave together (gloo aborts a rank whose peers tore down first)
+        # leave together, holding nothing of the group (the autograd graphs of the steps kept it alive; a
+        # gloo group alive at interpreter shutdown aborted a rank now and then): see examples/context_parallel.py
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def run(args: argparse.Namespace) -> None:
+    with process_group() as (rank, world, device):
+        measure(args, rank, world, device)  # its frame, and every step's graph with it, ends before teardown
+
+
+def measure(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
+    """The equality check (with `--check`) and the timings of this rank, rank 0 printing each record."""
     from kda.verify.policy import tolerance
 
-    with process_group() as (rank, world, device):
-        clock = Clock(device.type == "cuda")
-        comm = CommTimer(clock)
-        comm.install()
-        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    clock = Clock(device.type == "cuda")
+    comm = CommTimer(clock)
+    comm.install()
+    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
 
-        def emit(record: dict) -> None:
-            if rank == 0:
-                line = json.dumps({"world": world, "backend": args.backend, "K": args.head_dim, **record})
-                print(line, flush=True)
-                if args.out:
-                    with open(args.out, "a") as sink:
-                        sink.write(line + "\n")
+    def emit(record: dict) -> None:
+        if rank == 0:
+            line = json.dumps({"world": world, "backend": args.backend, "K": args.head_dim, **record})
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as sink:
+                    sink.write(line + "\n")
 
-        if args.check and world > 1:
-            tokens = args.tokens[0]
-            quarter, eighth = tokens // 4, tokens // 8
-            lengths = [3 * eighth, quarter, eighth, tokens - 3 * eighth - quarter - eighth]
-            batch = global_batch(tokens, args.heads[0], args.head_dim, lengths, device, seed=args.seed)
-            for mode in args.modes:
-                errors = check(batch, mode, args.backend, rank, world)
-                limits = {name: tolerance(name, dtype_name) for name in errors}
-                passed = all(errors[name] <= limits[name] for name in errors)
-                emit({"kind": "check", "mode": mode, "tokens": tokens, "HV": args.heads[0], "lengths": lengths,
-                      "passed": passed, "errors": errors, "tolerances": limits})  # fmt: skip
+    if args.check and world > 1:
+        tokens = args.tokens[0]
+        quarter, eighth = tokens // 4, tokens // 8
+        lengths = [3 * eighth, quarter, eighth, tokens - 3 * eighth - quarter - eighth]
+        batch = global_batch(tokens, args.heads[0], args.head_dim, lengths, device, seed=args.seed)
+        for mode in args.modes:
+            errors = check(batch, mode, args.backend, rank, world)
+            limits = {name: tolerance(name, dtype_name) for name in errors}
+            passed = all(errors[name] <= limits[name] for name in errors)
+            emit({"kind": "check", "mode": mode, "tokens": tokens, "HV": args.heads[0], "lengths": lengths,
+                  "passed": passed, "errors": errors, "tolerances": limits})  # fmt: skip
+        del batch
+    for tokens in args.tokens:
+        for heads in args.heads:
+            batch = global_batch(tokens, heads, args.head_dim, [tokens], device, seed=args.seed)
+            for mode in args.modes if world > 1 else [None]:
+                result = timed(batch, mode, args.backend, args.steps, clock, comm)
+                emit({"kind": "time", "mode": mode, "tokens": tokens, "HV": heads, **result})
             del batch
-        for tokens in args.tokens:
-            for heads in args.heads:
-                batch = global_batch(tokens, heads, args.head_dim, [tokens], device, seed=args.seed)
-                for mode in args.modes if world > 1 else [None]:
-                    result = timed(batch, mode, args.backend, args.steps, clock, comm)
-                    emit({"kind": "time", "mode": mode, "tokens": tokens, "HV": heads, **result})
-                del batch
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def report(paths: list[str]) -> int:

@@ -11,6 +11,7 @@ single-process call.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -40,40 +41,44 @@ def global_batch(device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
+def run_mode(mode: str, batch: dict[str, torch.Tensor], rank: int, world: int, device: torch.device) -> None:
+    names = ("q", "k", "v", "g", "beta")
+    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)  # the delta rule wants unit keys
+    ctx = build_cp_context(dist.group.WORLD, batch["cu_seqlens"], mode=mode)
+    lo, hi = ctx.offsets[rank], ctx.offsets[rank + 1]
+    mine = {n: batch[n][:, lo:hi].clone().requires_grad_() for n in names}
+    o, final = kda.chunk_kda(**mine, **options, cp_context=ctx)
+    o.sum().backward()  # this rank's part of the loss; autograd runs the exchanges backwards too
+
+    pieces = [torch.empty(1, ctx.splits[r], *o.shape[2:], dtype=o.dtype, device=device) for r in range(world)]
+    dist.all_gather(pieces, o.detach().contiguous())  # only to check the result here
+    grads = [torch.empty_like(p) for p in pieces]
+    dist.all_gather(grads, mine["v"].grad.contiguous())
+    if rank == 0:
+        whole = {n: batch[n].clone().requires_grad_() for n in names}
+        o_ref, final_ref = kda.chunk_kda(**whole, **options, cu_seqlens=batch["cu_seqlens"])
+        o_ref.sum().backward()
+        errors = {
+            "o": relative_error(torch.cat(pieces, dim=1), o_ref.detach()),
+            "final_state": relative_error(final.detach(), final_ref.detach()),
+            "dv": relative_error(torch.cat(grads, dim=1), whole["v"].grad),
+        }
+        report = ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
+        print(f"{mode} parallel over {world} ranks, splits {list(ctx.splits)}: relative error vs one call: {report}")
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     batch = global_batch(device)
-    names = ("q", "k", "v", "g", "beta")
-    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)  # the delta rule wants unit keys
     for mode in ("sequence", "head"):
-        ctx = build_cp_context(dist.group.WORLD, batch["cu_seqlens"], mode=mode)
-        lo, hi = ctx.offsets[rank], ctx.offsets[rank + 1]
-        mine = {n: batch[n][:, lo:hi].clone().requires_grad_() for n in names}
-        o, final = kda.chunk_kda(**mine, **options, cp_context=ctx)
-        o.sum().backward()  # this rank's part of the loss; autograd runs the exchanges backwards too
-
-        pieces = [torch.empty(1, ctx.splits[r], *o.shape[2:], dtype=o.dtype, device=device) for r in range(world)]
-        dist.all_gather(pieces, o.detach().contiguous())  # only to check the result here
-        grads = [torch.empty_like(p) for p in pieces]
-        dist.all_gather(grads, mine["v"].grad.contiguous())
-        if rank == 0:
-            whole = {n: batch[n].clone().requires_grad_() for n in names}
-            o_ref, final_ref = kda.chunk_kda(**whole, **options, cu_seqlens=batch["cu_seqlens"])
-            o_ref.sum().backward()
-            errors = {
-                "o": relative_error(torch.cat(pieces, dim=1), o_ref.detach()),
-                "final_state": relative_error(final.detach(), final_ref.detach()),
-                "dv": relative_error(torch.cat(grads, dim=1), whole["v"].grad),
-            }
-            report = ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
-            print(
-                f"{mode} parallel over {world} ranks, splits {list(ctx.splits)}: relative error vs one call: {report}"
-            )
-    # leave together: a rank that tore its group down while rank 0 was still checking aborted now and then
-    # under gloo ("terminate called without an active exception" as its connections closed under the other)
+        run_mode(mode, batch, rank, world, device)
+    # Leave together, holding nothing of the group: the autograd graph of a context-parallel output keeps the
+    # group alive, and a gloo group still alive when the interpreter shuts down aborted a rank now and then
+    # ("terminate called without an active exception"), so the outputs go (with run_mode's frame) first.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

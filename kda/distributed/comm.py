@@ -74,6 +74,7 @@ class _AllGatherWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, pending: Pending) -> torch.Tensor:
         pending.work.wait()
+        pending.work = None  # a finished handle holds its buffers and the group's worker: let them go now
         return out.view_as(out)
 
     @staticmethod

@@ -17,8 +17,8 @@ sequence ``n`` and value head ``hv``, token after token, in fp32::
     S     <- S + k (sigmoid(beta) (v - S^T k))^T
     o     =  S^T q
 
-One program per (sequence, value head, block of BV value columns), all K rows of the state in registers:
-the grid the triton backend uses. Each configuration ``BVxW`` (value columns, warps) is compiled and timed,
+One program per (sequence, value head, block of BV value columns), all K rows of the state in registers,
+the state's loads evict-first and q, k, g's evict-last: the triton backend's grid and cache hints. Each configuration ``BVxW`` (value columns, warps) is compiled and timed,
 and the best is reported beside the triton backend (`kda.fused_recurrent_kda(..., backend="triton")`) and
 FLA's ``fused_recurrent_kda_fwd`` on the same inputs, each as a CUDA-graph replay (a serving engine's
 decode step; the eager calls are host bound at small N) and as a fraction of the memory floor with the copy
@@ -79,14 +79,18 @@ def decode_kernel(
         # A slot as a loop of one step, or of none for a padding row: its state is neither read nor written,
         # with no masked store (whose address would still have to be a slot of the pool)
         for tile_s in hl.tile(torch.where(read >= 0, read, 0), torch.where(read >= 0, read + 1, 0), block_size=1):
-            S = pool[tile_s.begin, hv, :, tile_v].to(torch.float32)  # [K, BV]
+            # the state is read once and written once (evict first); q, k and g are read again by the head's
+            # other value blocks (evict last): the triton kernel's hints
+            S = hl.load(pool, [tile_s.begin, hv, slice(None), tile_v], eviction_policy="evict_first").to(
+                torch.float32
+            )  # [K, BV]
             for tile_t in hl.tile(T, block_size=1):  # the tokens, in order
                 t = tile_t.begin
-                q_t = q[n, t, h, :].to(torch.float32)  # [K]
-                k_t = k[n, t, h, :].to(torch.float32)
+                q_t = hl.load(q, [n, t, h, slice(None)], eviction_policy="evict_last").to(torch.float32)  # [K]
+                k_t = hl.load(k, [n, t, h, slice(None)], eviction_policy="evict_last").to(torch.float32)
                 q_t = q_t * torch.rsqrt(torch.sum(q_t * q_t) + 1e-6) * scale
                 k_t = k_t * torch.rsqrt(torch.sum(k_t * k_t) + 1e-6)
-                x = g[n, t, hv, :].to(torch.float32) + dt_bias[hv, :]
+                x = hl.load(g, [n, t, hv, slice(None)], eviction_policy="evict_last").to(torch.float32) + dt_bias[hv, :]
                 a = lower_bound * torch.sigmoid(torch.exp(A_log[hv]) * x)
                 a = torch.where(a < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, a)
                 b = torch.sigmoid(beta[n, t, hv].to(torch.float32))

@@ -111,8 +111,9 @@ def test_a_wrong_kernel_fails_the_check(seed, monkeypatch):
 )
 def test_the_configurations_lower_to_triton_without_a_gpu(monkeypatch, pool_dtype, T, configs):
     """Helion's compiler (not the interpreter) turns the kernel into Triton source at the bench's shape
-    (HV = 32, K = V = 128, bf16 token inputs): under every configuration the benchmark times, and for the
-    other pool dtype and per-token slots under two."""
+    (HV = 32, K = V = 128, bf16 token inputs), with the state's loads marked evict-first and q, k, g's
+    evict-last: under every configuration the benchmark times, and for the other pool dtype and per-token
+    slots under two."""
     monkeypatch.setenv("HELION_INTERPRET", "0")
     slots = [3, -1, 0, 5] if T == 1 else [[3, 6, 7, 8], [-1] * 4, [0, 9, 10, 11], [5, 12, -1, 13]]
     call = _call(N=4, H=32, HV=32, K=128, V=128, slots=slots, pool_dtype=pool_dtype, T=T)
@@ -126,3 +127,4 @@ def test_the_configurations_lower_to_triton_without_a_gpu(monkeypatch, pool_dtyp
         block_v, warps = (int(part) for part in config.split("x"))
         source = bound.to_triton_code(helion.Config(block_sizes=[block_v], num_warps=warps))
         assert "@triton.jit" in source and "tl.sum" in source, config
+        assert "evict_first" in source and "evict_last" in source, config  # the triton kernel's cache hints

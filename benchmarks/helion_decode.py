@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -161,42 +160,19 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
-def _graph_ms(run: Callable[[], Any], replays: int = 200) -> float:
-    """Median time of one replay of `run` captured in a CUDA graph (ten replays timed at a time)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(replays // 10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return statistics.median(times)
-
-
 def _time_ms(run: Callable[[], Any], how: list[str]) -> float:
-    """A CUDA-graph replay's median time, or, where `run` cannot be captured, the eager call's (noted in
-    `how`, so that the report says which it is)."""
+    """The median time of `run` captured in a CUDA graph and replayed (the decode bench's `--graph` timing),
+    or, where `run` cannot be captured, of the eager call (noted in `how`, so that the report says which)."""
+    from kda.bench.timing import capture_graph, median_ms
+
+    device = torch.device("cuda")
     try:
-        return _graph_ms(run)
+        replay = capture_graph(run, device)
     except Exception as error:  # a host step that a capture refuses: time the eager call instead
         torch.cuda.synchronize()
         how.append(f"eager ({type(error).__name__})")
-        from kda.bench.timing import median_ms
-
-        return median_ms(run, torch.device("cuda"))
+        return median_ms(run, device)
+    return median_ms(replay, device)
 
 
 def measure(shape_name: str, configs: list[str], bandwidth: float) -> None:

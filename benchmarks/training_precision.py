@@ -4,7 +4,7 @@
     python benchmarks/training_precision.py 12 56 --only 14,25,31,55 --gpu --backend triton --backend fla
 
 Runs on a CPU, in Triton's interpreter, with ``tl.dot`` computed as an NVIDIA GPU computes it
-(`tests/backends/triton/tf32.py`: TF32 operands truncated, TF32x3 split in three products). Draws COUNT random bf16/fp16
+(`tests/tf32.py`: TF32 operands truncated, TF32x3 split in three products). Draws COUNT random bf16/fp16
 training cases from SEED (gate mode, l2norm, beta activation, varlen, GVA, states, layouts, chunk size,
 K and V from 4 to 40, realistic or extreme gates), runs each against the float64 reference under every
 mix asked for (`MIXES`: the ``storage.TRAINING_*`` setting of each kernel), and prints one JSON line a
@@ -34,7 +34,7 @@ GPU = "--gpu" in sys.argv
 if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "backends" / "triton")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import pytest  # noqa: E402
 from tf32 import emulate_gpu_dots  # noqa: E402

@@ -33,6 +33,25 @@ def isolated_kda(tmp_path, monkeypatch):
     dispatch.clear_cache()
 
 
+@pytest.fixture(autouse=True)
+def checked_kernel_addresses():
+    """Without a GPU every Triton kernel a test runs goes through Triton's interpreter: check that each of
+    its loads, stores and atomics stays inside the tensors it was given (`tests/addresses.py`), which on a
+    GPU would be a silent overrun or an illegal-address fault naming no kernel."""
+    if torch.cuda.is_available():
+        yield
+        return
+    try:
+        import triton.runtime.interpreter  # noqa: F401
+    except ImportError:  # no Triton: no kernel can run
+        yield
+        return
+    from addresses import checked_addresses
+
+    with checked_addresses() as log:
+        yield log
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed per test run (never one fixed seed); KDA_TEST_SEED reproduces a failure."""

@@ -54,13 +54,14 @@ def _call(N: int, H: int, HV: int, K: int, V: int, slots: list, pool_dtype: torc
     }
 
 
-def _check(call: dict, padding_rows: list[int], pool_dtype: torch.dtype) -> None:
-    """Run the kernel on `call` (outputs poisoned first) against the float64 reference."""
+def _check(call: dict, padding_rows: list[int], pool_dtype: torch.dtype, config: str | None = None) -> None:
+    """Run the kernel (Helion's interpreter, or `config` compiled) on `call`, outputs poisoned first,
+    against the float64 reference."""
     before = call["initial_state"].clone()
     ref = fused_recurrent_reference(**call)
     args, o = helion_decode.decode_args(call)
     o.fill_(float("nan"))  # poisoned: an output left unwritten fails
-    helion_decode.kernel_for(None)(*args)
+    helion_decode.kernel_for(config)(*args)
     pool = call["initial_state"]
     live = [row for row in range(o.shape[0]) if row not in padding_rows]
     tol = 1e-5 if pool_dtype == torch.float32 else 8e-3  # a bf16 pool: one rounding of the stored state
@@ -87,6 +88,27 @@ def test_the_kernel_is_the_speculative_decode_step(seed, monkeypatch, pool_dtype
     call = _call(N=4, H=1, HV=2, K=16, V=8, slots=slots, pool_dtype=pool_dtype, T=3)
     call["num_accepted_tokens"] = torch.tensor([1, 1, 3, 2], dtype=torch.int32)
     _check(call, padding_rows=[1], pool_dtype=pool_dtype)
+
+
+@pytest.mark.parametrize("config", ["16x2", "64x4"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["slot-per-sequence", "slot-per-token"])
+def test_the_compiled_configurations_stay_in_the_pool(seed, monkeypatch, checked_kernel_addresses, config, per_token):
+    """The Triton code Helion generates for a configuration the benchmark times, run by Triton's
+    interpreter (`tests/helion_compiled.py`) with every lane address-checked: slots are loaded scalars that
+    index the pool, and a padding row must neither read nor write through its -1."""
+    if torch.cuda.is_available():
+        pytest.skip("runs Triton's CPU interpreter, on a machine without a GPU")
+    from helion_compiled import interpreter_bridges
+
+    monkeypatch.setenv("HELION_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    slots = [[3, 7, 8], [-1, -1, -1], [0, 9, 10], [11, 12, -1]] if per_token else [4, -1, 0, 6]
+    call = _call(N=4, H=1, HV=2, K=16, V=32, slots=slots, pool_dtype=torch.float32, T=3 if per_token else 1)
+    if per_token:
+        call["num_accepted_tokens"] = torch.tensor([1, 1, 3, 2], dtype=torch.int32)
+    with interpreter_bridges():
+        _check(call, padding_rows=[1], pool_dtype=torch.float32, config=config)
+    assert checked_kernel_addresses.launches == {"_helion_decode_kernel": 1}
 
 
 def test_a_wrong_kernel_fails_the_check(seed, monkeypatch):

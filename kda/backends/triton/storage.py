@@ -30,7 +30,7 @@ every kernel whose products reach the gradients, TF32 in the output (the measure
 for precision experiments (`benchmarks/training_precision.py`, `benchmarks/triton_stages.py --train-sweep`);
 no kernel ships with it. On the
 GPU a TF32 product reads its fp32 operands truncated to 10 mantissa bits, not rounded. That was
-reproduced on the CPU by making the interpreter truncate the same way (`tests/backends/triton/tf32.py`): it moved two
+reproduced on the CPU by making the interpreter truncate the same way (`tests/tf32.py`): it moved two
 bf16 training cases' ``dA_log`` from 2e-5 to 1.17e-2 and 1.27e-2 of the float64 reference, what the H200
 had measured to three digits (1.18e-2, 1.28e-2; tolerance 1e-2), while the other gradients stayed near
 2e-3. ``dA_log = sum_t a_t da_t`` is a sum whose terms cancel, so it keeps the products' relative error
@@ -81,7 +81,7 @@ def dot_precisions(spec: KDASpec) -> DotPrecisions:
 
 # Training, bf16/fp16: the products of each kernel. ``dA_log`` (a sum whose terms cancel) decides; the figures
 # are its relative error against the float64 reference (tolerance 1e-2), measured on the CPU with the GPU's
-# products emulated (`tests/backends/triton/tf32.py`) over random cases of `benchmarks/training_precision.py` (seeds 11, 12,
+# products emulated (`tests/tf32.py`) over random cases of `benchmarks/training_precision.py` (seeds 11, 12,
 # 101, 202), and H200 kernel times from `benchmarks/triton_stages.py --train-sweep` at B4_T2048_H16_D128.
 #
 # Experiment-only switches: these four are module attributes, read by `dot_precisions` at each call, so that
@@ -120,7 +120,7 @@ def operand(x, ROUND: tl.constexpr):
     """A stored (bf16/fp16) value as a ``tl.dot`` operand: as it is on a GPU (half-width tensor cores, fp32
     accumulation). Under the interpreter (``ROUND``) widened to fp32 first, which changes no value (every
     bf16/fp16 number is exact in fp32 and in TF32) but avoids the interpreter's bf16 ``tl.dot``, which
-    multiplies the raw 16-bit patterns (Triton 3.9; `tests/backends/triton/tf32.py` fails any test that reaches it)."""
+    multiplies the raw 16-bit patterns (Triton 3.9; `tests/tf32.py` fails any test that reaches it)."""
     if ROUND:
         x = x.to(tl.float32)
     return x

@@ -45,7 +45,7 @@ def interpreter(monkeypatch):
     """The triton backend, ready to run here: on the GPU when there is one, else on CPU tensors in Triton's
     interpreter (TRITON_INTERPRET=1, which conftest.py switched on before Triton was imported), with the
     kernel modules rebuilt as interpreted functions if an earlier test imported them compiled, and with
-    tensor-core products computed as a GPU computes them (TF32 operands truncated; `tests/backends/triton/tf32.py`)."""
+    tensor-core products computed as a GPU computes them (TF32 operands truncated; `tests/tf32.py`)."""
     if torch.cuda.is_available():
         pytest.skip("these tiny interpreter cases are for the CPU; on a GPU `kda.verify --backend triton` runs")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -80,7 +80,7 @@ def interpreter(monkeypatch):
         for module in (*modules, backward, forward):
             importlib.reload(module)
     assert isinstance(forward.output_kernel, InterpretedFunction)
-    emulate_gpu_dots(monkeypatch)  # tensor-core products as the GPU computes them (tests/backends/triton/tf32.py)
+    emulate_gpu_dots(monkeypatch)  # tensor-core products as the GPU computes them (tests/tf32.py)
     kda.registry._reset_for_tests()
     return kda.get_backend("triton")
 

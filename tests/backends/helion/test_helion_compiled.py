@@ -1,0 +1,92 @@
+"""The helion backend's compiled kernels on the CPU: the Triton code Helion generates for a configuration,
+run by Triton's interpreter with every load and store address-checked (`tests/helion_compiled.py`,
+`tests/addresses.py`), against the float64 reference through the verifier's `run_case`.
+
+`test_helion_backend.py` checks the kernels' math in Helion's eager interpreter; these check the code a GPU
+runs, with the products a GPU computes (TF32 for half inference, TF32x3 for training: `tests/tf32.py`): Helion's default configuration at small head dims, and the configurations shipped for the H200
+(`tuned_sm90.json`) at the head dims they were tuned for. Every kernel of the forward and the backward must
+have run compiled, and none may touch memory outside its tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from kernel_cases import case_class, expected_gradients, small_case
+
+from kda.backends.base import Verdict
+from kda.spec import GateMode
+from kda.verify.check import run_case
+
+pytest.importorskip("helion", reason="Helion is not installed (extra `helion`)")
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs Triton's CPU interpreter, on a machine without a GPU", allow_module_level=True)
+
+from helion_compiled import interpreter_bridges
+from tf32 import emulate_gpu_dots
+
+from kda.backends import helion as helion_backend
+from kda.backends.helion import forward
+
+FORWARD_KERNELS = {"gate", "scores", "solve", "state", "output"}
+BACKWARD_KERNELS = {"state_backward", "chunk_backward", "score_backward", "gate_tail", "qk_tail"}
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The helion backend launching its compiled kernels on CPU tensors (Helion's interpreter off), its
+    products computed as the GPU's tensor cores compute them (`tests/tf32.py`)."""
+    emulate_gpu_dots(monkeypatch)  # before the bridges, which widen bf16 operands on the way to it
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(
+        helion_backend.HelionBackend, "supports", lambda self, spec: Verdict.yes("compiled, in Triton's interpreter")
+    )
+    with interpreter_bridges(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="kda: helion kernel .* default configuration")
+        yield helion_backend.HelionBackend()
+
+
+def kernels_run(log) -> set[str]:
+    return {name.removeprefix("_helion_").removesuffix("_kernel") for name in log.launches}
+
+
+def kernels_of(cc) -> set[str]:
+    """Every kernel a call of class `cc` launches."""
+    normalize = {"normalize"} if cc.qk_l2norm else set()
+    return FORWARD_KERNELS | normalize | (BACKWARD_KERNELS if cc.training else set())
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # fp16 with raw keys, varlen, GVA, both states: the class whose d256 training faulted on the H200
+        dict(dtype="float16", qk_l2norm=False, beta="sigmoid2", varlen=True, gva=True, chunk_size=64),
+        dict(gate=GateMode.SOFTPLUS, dtype="bfloat16", state_v_first=True),
+    ],
+    ids=["fp16-raw-keys-varlen-gva", "softplus-bf16-v-first"],
+)
+@pytest.mark.parametrize("regime", ["realistic", "extreme"])
+def test_default_configurations_train_within_bounds(seed, compiled, checked_kernel_addresses, variant, regime):
+    cc = case_class(**variant, training=True)
+    result = run_case(compiled, small_case(cc, regime, seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    assert expected_gradients(cc) <= set(result.errors)
+    assert kernels_run(checked_kernel_addresses) == kernels_of(cc)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference-bf16", "training-fp32"])
+def test_the_shipped_h200_configurations_within_bounds(seed, compiled, checked_kernel_addresses, monkeypatch, training):
+    """K = V = 128, the head dims `tuned_sm90.json` holds: its entries, not Helion's defaults, must be what
+    compiled (a refused entry would warn and fall back, which the test turns into a failure)."""
+    monkeypatch.setattr(forward, "arch", lambda device: "sm90")
+    cc = case_class(varlen=True, gva=True, chunk_size=64, training=training, head_dim=128,
+                    dtype="float32" if training else "bfloat16")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="kda: helion kernel .* table entry")
+        result = run_case(compiled, small_case(cc, "realistic", K=128, V=128, seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    assert kernels_run(checked_kernel_addresses) == kernels_of(cc)

@@ -186,7 +186,17 @@ for target in "$@"; do
     # the d256 training class that faulted, its own cases, each launch synchronized (names the kernel)
     timeout "$(left 20)" python3 benchmarks/helion_stages.py --sync-each \
       --case "${HELION_FAULT_CASE:-safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train}" > "$OUT/helion-stages/d256.txt" 2>&1
-    echo "helion-stages d256: exit $?"
+    fault=$?
+    echo "helion-stages d256: exit $fault"
+    if [[ $fault != 0 ]] && command -v compute-sanitizer > /dev/null; then
+      # the same run under memcheck: the faulting access's kernel, address and thread (Firecracker
+      # machines only; on gVisor the sanitizer refuses the device, which the file then says)
+      timeout "$(left 15)" compute-sanitizer --tool memcheck --print-limit 8 python3 benchmarks/helion_stages.py \
+        --sync-each --case "${HELION_FAULT_CASE:-safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train}" \
+        > "$OUT/helion-stages/memcheck.txt" 2>&1
+      echo "helion-stages memcheck: exit $?"; grep -m 20 -E "Invalid|at 0x|by thread|Address|ERROR SUMMARY" \
+        "$OUT/helion-stages/memcheck.txt"
+    fi
     grep -v -i warn "$OUT/helion-stages/kernels.txt" | tail -60; tail -n 12 "$OUT/helion-stages/d256.txt"
     ;;
   helion-decode)

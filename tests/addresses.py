@@ -145,18 +145,19 @@ def checked_addresses() -> Iterator[AddressLog]:
         check("atomic", ptr, None)
         return original_cas(self, ptr, cmp, val, sem, scope)
 
-    executor._init_args_hst = init_args
-    executor.__call__ = call
-    builder.create_masked_load = load
-    builder.create_masked_store = store
-    builder.create_atomic_rmw = rmw
-    builder.create_atomic_cas = cas
+    patched = {
+        (executor, "_init_args_hst"): init_args,
+        (executor, "__call__"): call,
+        (builder, "create_masked_load"): load,
+        (builder, "create_masked_store"): store,
+        (builder, "create_atomic_rmw"): rmw,
+        (builder, "create_atomic_cas"): cas,
+    }
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    for (owner, name), replacement in patched.items():
+        setattr(owner, name, replacement)
     try:
         yield log
     finally:
-        executor._init_args_hst = original_args
-        executor.__call__ = original_call
-        builder.create_masked_load = original_load
-        builder.create_masked_store = original_store
-        builder.create_atomic_rmw = original_rmw
-        builder.create_atomic_cas = original_cas
+        for owner, name, original in saved:
+            setattr(owner, name, original)

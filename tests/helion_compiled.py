@@ -84,6 +84,8 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
 
 @contextlib.contextmanager
 def interpreter_bridges() -> Iterator[None]:
+    """Inside the block, Triton's interpreter runs Helion's generated code as a GPU would (the module
+    docstring lists what changes); everything is restored after it."""
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime import interpreter

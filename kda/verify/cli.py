@@ -33,7 +33,7 @@ from kda.recurrent.spec import RecurrentCaseClass, is_recurrent_key
 from kda.spec import CaseClass
 from kda.verify.cases import full_grid
 from kda.verify.check import ClassResult, verify_class
-from kda.verify.records import default_store, fingerprint, fingerprint_id
+from kda.verify.records import Record, default_store, fingerprint, fingerprint_id
 from kda.verify.recurrent import RecurrentClassResult, recurrent_grid, verify_recurrent_class
 from kda.workloads import DEFAULT_SHAPES, MODES, case_class_keys
 
@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
         "--with-recurrent",
         action="store_true",
         help="also verify the decode op's (fused_recurrent_kda) case classes (keys recurrent/...)",
+    )
+    parser.add_argument(
+        "--progress",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="append each class's result to PATH as one JSON line when it is known (how --jobs keeps what a "
+        "worker that dies had verified)",
     )
     parser.add_argument("--list-cases", action="store_true", help="print the grid's case-class keys and exit")
     return parser
@@ -111,6 +119,8 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     if args.json is not None and (problem := cliargs.output_file_problem("--json", Path(args.json))):
         return problem
     if args.work_dir is not None and (problem := cliargs.output_dir_problem("--work-dir", args.work_dir)):
+        return problem
+    if args.progress is not None and (problem := cliargs.output_file_problem("--progress", args.progress)):
         return problem
     return None
 
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as progress:
         task = progress.add_task("verifying", total=len(runnable) * len(classes))
         if args.jobs > 1 and runnable:
-            entries = _run_jobs(args, runnable, classes, device, progress, task)
+            entries = _run_jobs(args, runnable, classes, device, progress, task, store)
         else:
             entries = []
             for backend in runnable:
@@ -174,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                         else verify_class(backend, cc, device, quick=args.quick)
                     )
                     entries.append(_entry(backend.name, result))
+                    if args.progress is not None:
+                        with open(args.progress, "a") as handle:  # one line a class, flushed on close
+                            handle.write(json.dumps(entries[-1], default=_json_default) + "\n")
                     if not err.is_terminal:  # no live bar in a log: one line per class, with its seconds
                         err.print(
                             f"{len(entries)}/{len(runnable) * len(classes)} {backend.name} {cc.key}: "
@@ -250,55 +263,122 @@ def main(argv: list[str] | None = None) -> int:
             "results": entries,
         }
         with open(args.json, "w") as handle:
-            json.dump(payload, handle, indent=1, default=lambda x: None if isinstance(x, float) else str(x))
+            json.dump(payload, handle, indent=1, default=_json_default)
     return 0 if ok else 1
 
 
-def _run_jobs(args, runnable, classes, device, progress, task) -> list[dict[str, Any]]:
+def _json_default(value: Any) -> Any:
+    return None if isinstance(value, float) else str(value)
+
+
+Pair = tuple[str, str]  # (backend name, case-class key), in the order a worker verifies them
+
+
+def _run_jobs(args, runnable, classes, device, progress, task, store) -> list[dict[str, Any]]:
     """Spread the case classes over `args.jobs` child processes (each verifies every chosen backend on its
     share, on one GPU, round robin), and collect their results. Records go to the shared store, whose
-    writes are locked and atomic."""
+    writes are locked and atomic.
+
+    A worker that dies (a GPU fault can end its process, and leaves its CUDA context unusable) loses
+    nothing it finished: each class's result is a line of its progress file as soon as it is known. The
+    first pair it had not finished is the one it died on: that class fails for that backend, with a
+    record saying so (so that the dispatcher does not verify it again in a user's process, where it would
+    fault again). What it had not reached runs in a fresh worker, and so on until every pair has a result."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     scratch = args.work_dir or Path(tempfile.mkdtemp(prefix="kda-verify-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    children = []
-    for i in range(args.jobs):
-        share = classes[i :: args.jobs]
-        if not share:
-            continue
-        command = [
-            sys.executable,
-            "-m",
-            "kda.verify",
-            "--json",
-            str(scratch / f"part-{i}.json"),
-            "--device",
-            "cuda" if gpus else str(device),
-        ]
-        command += [f"--backend={b.name}" for b in runnable] + [f"--case={cc.key}" for cc in share]
+    backends = {b.name: b for b in runnable}
+
+    def launch(slot: int, pairs: list[Pair], name: str) -> subprocess.Popen:
+        keys = list(dict.fromkeys(key for _, key in pairs))
+        for stale in (scratch / f"{name}.json", scratch / f"{name}.jsonl"):
+            stale.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "kda.verify", "--json", str(scratch / f"{name}.json")]
+        command += ["--progress", str(scratch / f"{name}.jsonl"), "--device", "cuda" if gpus else str(device)]
+        command += [f"--backend={b}" for b in dict.fromkeys(b for b, _ in pairs)] + [f"--case={k}" for k in keys]
         command += ["--quick"] if args.quick else []
         env = os.environ.copy()
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
         # The workers' CPU work (the float64 reference, compiles) shares the machine: without a cap each
         # one's torch would start a thread per core, args.jobs times over.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
-        log = open(scratch / f"part-{i}.log", "w")  # noqa: SIM115 - closed after its child exits
-        children.append((i, len(share), subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    entries: list[dict[str, Any]] = []
-    for i, count, child, log in children:
+        with open(scratch / f"{name}.log", "w") as log:  # the child holds its own descriptor
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def collect(child: subprocess.Popen, pairs: list[Pair], name: str) -> tuple[list[dict[str, Any]], list[Pair]]:
+        """What the child verified, and the pairs it left without a result (in its order)."""
         child.wait()
-        log.close()
-        part = scratch / f"part-{i}.json"
-        if part.exists():
-            entries += json.loads(part.read_text())["results"]
-        else:
-            tail = (scratch / f"part-{i}.log").read_text().strip().splitlines()[-3:]
-            progress.console.print(
-                f"[red]verify worker {i} exited {child.returncode} without results[/red]: " + " | ".join(tail)
-            )
-        progress.update(task, advance=count * len(runnable), description=f"worker {i} done")
+        found = _read_results(scratch / f"{name}.json", scratch / f"{name}.jsonl")
+        done = {(e["backend"], e["case_class"]) for e in found}
+        return found, [pair for pair in pairs if pair not in done]
+
+    shares = [(i, [(b.name, cc.key) for b in runnable for cc in classes[i :: args.jobs]]) for i in range(args.jobs)]
+    children = [(i, pairs, launch(i, pairs, f"part-{i}")) for i, pairs in shares if pairs]
+    entries: list[dict[str, Any]] = []
+    for i, pairs, child in children:
+        name = f"part-{i}"
+        found, left = collect(child, pairs, name)
+        entries += found
+        progress.update(task, advance=len(found))
+        for retry in range(1, len(pairs) + 1):
+            if not left:
+                break
+            tail = " | ".join((scratch / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:])
+            backend, key = left[0]
+            reason = f"the verify worker died (exit {child.returncode}) verifying this class: {tail}"
+            progress.console.print(f"[red]verify worker {i}: {backend} {key}: {reason}[/red]")
+            entries.append(_died(backends[backend], key, reason, device, args.quick, store))
+            progress.update(task, advance=1)
+            left = left[1:]
+            if not left:
+                break
+            # a fresh worker for the first backend's remaining classes (the pairs left need not be a product)
+            batch = [pair for pair in left if pair[0] == left[0][0]]
+            name = f"part-{i}-{retry}"
+            child = launch(i, batch, name)
+            found, missing = collect(child, batch, name)
+            entries += found
+            progress.update(task, advance=len(found))
+            left = missing + [pair for pair in left if pair[0] != batch[0][0]]
+        progress.update(task, description=f"worker {i} done")
     return entries
+
+
+def _read_results(final: Path, lines: Path) -> list[dict[str, Any]]:
+    """A worker's results: its JSON report when it finished, else the lines it wrote as it went (a line cut
+    short by its death is skipped)."""
+    if final.exists():
+        try:
+            return list(json.loads(final.read_text())["results"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    found = []
+    if lines.exists():
+        for line in lines.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and {"backend", "case_class", "status"} <= set(entry):
+                found.append(entry)
+    return found
+
+
+def _died(backend, key: str, reason: str, device: torch.device, quick: bool, store) -> dict[str, Any]:
+    """The report entry, and the stored failing record, of the class a worker died verifying."""
+    case = {"passed": False, "unsupported": False, "errors": {}, "problems": [reason], "reason": reason}
+    store.put(
+        backend, device, [Record(case_class=key, source="verify", quick=quick, device_type=device.type, cases=[case])]
+    )
+    return {
+        "backend": backend.name,
+        "case_class": key,
+        "status": "fail",
+        "worst_ratio": None,
+        "reason": reason,
+        "cases": [case],
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover

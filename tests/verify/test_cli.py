@@ -410,7 +410,66 @@ def test_cli_jobs_report_a_dead_workers_classes_as_failed(tmp_path, capsys, monk
     payload = read_json(out_json)
     assert payload["passed"] is False
     status = {r["case_class"]: (r["status"], r["reason"]) for r in payload["results"]}
-    assert status == {CHEAP: ("pass", None), CHEAP_2: ("fail", "no result (worker failed)")}
+    assert status[CHEAP] == ("pass", None)
+    assert status[CHEAP_2][0] == "fail" and "worker died (exit 134) verifying this class" in status[CHEAP_2][1]
+    record = default_store().get(kda.get_backend("torch"), "cpu", CHEAP_2)  # not verified again on first use
+    assert record is not None and not record.passed and "worker died" in record.reason
+
+
+# A worker that runs `python -m kda.verify` with its arguments, but dies (as a GPU fault ends a process) when it
+# reaches the class named by KDA_TEST_DIE_AT.
+DYING_WORKER = """
+import os, sys
+from kda.verify import check, cli
+verify_class = check.verify_class
+def dying(backend, cc, *args, **kwargs):
+    if cc.key == os.environ["KDA_TEST_DIE_AT"]:
+        os._exit(134)
+    return verify_class(backend, cc, *args, **kwargs)
+cli.verify_class = dying
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_cli_jobs_keep_what_a_dying_worker_finished_and_run_what_it_did_not_reach(tmp_path, capsys, monkeypatch):
+    """Worker 0 has three classes and dies at its second: the first keeps its result (from the progress
+    file), the second fails naming the death, and the third runs in a fresh worker and passes."""
+    third, fourth, fifth = (
+        "pregated/qk/beta/fp32/dense/mha/nostate/c64/d64/fwd",
+        "softplus/l2/sig/fp32/dense/mha/nostate/c32/d64/fwd",
+        "safe/l2/sig/fp32/dense/gva/h0+ht/c64/d64/fwd",
+    )
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("KDA_TEST_DIE_AT", third)
+    real_popen = cli.subprocess.Popen
+    launched = []
+
+    def first_worker_dies(command, **kwargs):
+        launched.append([part.removeprefix("--case=") for part in command if part.startswith("--case=")])
+        if len(launched) == 1:
+            command = [sys.executable, "-c", DYING_WORKER, *command[3:]]  # its arguments, after "-m kda.verify"
+        return real_popen(command, **kwargs)
+
+    monkeypatch.setattr(cli.subprocess, "Popen", first_worker_dies)
+    out_json = tmp_path / "report.json"
+    keys = [CHEAP, CHEAP_2, third, fourth, fifth]
+    argv = ["--backend", "torch", "--quick", "--device", "cpu", *(f"--case={key}" for key in keys)]
+    code = cli.main([*argv, "--jobs", "2", "--work-dir", str(tmp_path / "work"), "--json", str(out_json)])
+    assert launched == [[CHEAP, third, fifth], [CHEAP_2, fourth], [fifth]]
+    assert code == 1
+    assert "4 passed, 1 failed" in capsys.readouterr().out
+    results = {r["case_class"]: r for r in read_json(out_json)["results"]}
+    assert sorted(results) == sorted(keys)
+    assert {key: r["status"] for key, r in results.items() if key != third} == dict.fromkeys(
+        [CHEAP, CHEAP_2, fourth, fifth], "pass"
+    )
+    assert results[third]["status"] == "fail" and "worker died (exit 134)" in results[third]["reason"]
+    store = default_store()
+    for key in keys:
+        record = store.get(kda.get_backend("torch"), "cpu", key)
+        assert record is not None and record.passed == (key != third), key
 
 
 def test_cli_can_add_the_bench_classes(tmp_path, capsys, monkeypatch):

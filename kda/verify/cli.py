@@ -170,34 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         transient=False,
     ) as progress:
         task = progress.add_task("verifying", total=len(runnable) * len(classes))
+        workers = _Workers(args, runnable, device, progress, task, store)
         if args.jobs > 1 and runnable:
-            entries = _run_jobs(args, runnable, classes, device, progress, task, store)
+            entries = workers.spread(classes)
         else:
-            entries = []
-            for backend in runnable:
-                for cc in classes:
-                    progress.update(task, description=f"{backend.name} {cc.key}")
-                    class_started = time.perf_counter()
-                    result = (
-                        verify_recurrent_class(backend, cc, device, quick=args.quick)
-                        if isinstance(cc, RecurrentCaseClass)
-                        else verify_class(backend, cc, device, quick=args.quick)
-                    )
-                    entries.append(_entry(backend.name, result))
-                    if args.progress is not None:
-                        with open(args.progress, "a") as handle:  # one line a class, flushed on close
-                            handle.write(json.dumps(entries[-1], default=_json_default) + "\n")
-                    if not err.is_terminal:  # no live bar in a log: one line per class, with its seconds
-                        err.print(
-                            f"{len(entries)}/{len(runnable) * len(classes)} {backend.name} {cc.key}: "
-                            f"{entries[-1]['status']} {entries[-1]['worst_ratio']} "
-                            f"({time.perf_counter() - class_started:.1f} s) "
-                            f"{(entries[-1]['reason'] or '')[:200]}",
-                            highlight=False,
-                        )
-                    if not result.unsupported:
-                        store.put(backend, device, [result.to_record(source="verify", quick=args.quick)])
-                    progress.advance(task)
+            entries = _run_here(args, runnable, classes, device, progress, task, store, err, workers)
     elapsed = time.perf_counter() - started
 
     by_key = {(e["backend"], e["case_class"]): e for e in entries}
@@ -271,78 +248,148 @@ def _json_default(value: Any) -> Any:
     return None if isinstance(value, float) else str(value)
 
 
-Pair = tuple[str, str]  # (backend name, case-class key), in the order a worker verifies them
+Pair = tuple[str, str]  # (backend name, case-class key), in the order they are verified
 
 
-def _run_jobs(args, runnable, classes, device, progress, task, store) -> list[dict[str, Any]]:
-    """Spread the case classes over `args.jobs` child processes (each verifies every chosen backend on its
-    share, on one GPU, round robin), and collect their results. Records go to the shared store, whose
-    writes are locked and atomic.
+def _run_here(args, runnable, classes, device, progress, task, store, err, workers) -> list[dict[str, Any]]:
+    """Verify every (backend, class) pair in this process, one after another. On CUDA the context is
+    checked after each class: a kernel that faults (an illegal address) leaves it unusable, and every later
+    class would fail for that reason alone. The class it was lost in fails, with a record saying so, and
+    the pairs not yet verified go to fresh worker processes (`_Workers.run`)."""
+    pairs = [(backend, cc) for backend in runnable for cc in classes]
+    entries: list[dict[str, Any]] = []
+    for done, (backend, cc) in enumerate(pairs, start=1):
+        progress.update(task, description=f"{backend.name} {cc.key}")
+        class_started = time.perf_counter()
+        result = (
+            verify_recurrent_class(backend, cc, device, quick=args.quick)
+            if isinstance(cc, RecurrentCaseClass)
+            else verify_class(backend, cc, device, quick=args.quick)
+        )
+        entry = _entry(backend.name, result)
+        lost = _context_lost(device)
+        if lost is not None:
+            entry = _died(backend, cc.key, f"the CUDA context was lost verifying this class: {lost}", workers)
+        elif not result.unsupported:
+            store.put(backend, device, [result.to_record(source="verify", quick=args.quick)])
+        entries.append(entry)
+        if args.progress is not None:
+            with open(args.progress, "a") as handle:  # one line a class, flushed on close
+                handle.write(json.dumps(entry, default=_json_default) + "\n")
+        if not err.is_terminal:  # no live bar in a log: one line per class, with its seconds
+            err.print(
+                f"{done}/{len(pairs)} {backend.name} {cc.key}: {entry['status']} {entry['worst_ratio']} "
+                f"({time.perf_counter() - class_started:.1f} s) {(entry['reason'] or '')[:200]}",
+                highlight=False,
+            )
+        progress.advance(task)
+        if lost is not None:
+            return entries + workers.run(device.index or 0, [(b.name, c.key) for b, c in pairs[done:]], "rest")
+    return entries
+
+
+def _context_lost(device: torch.device) -> str | None:
+    """Why `device`'s CUDA context can no longer run anything (a sticky error), or None."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+class _Workers:
+    """Child processes that verify pairs (`python -m kda.verify` with `--progress`), and what to do when
+    one dies.
 
     A worker that dies (a GPU fault can end its process, and leaves its CUDA context unusable) loses
     nothing it finished: each class's result is a line of its progress file as soon as it is known. The
-    first pair it had not finished is the one it died on: that class fails for that backend, with a
-    record saying so (so that the dispatcher does not verify it again in a user's process, where it would
-    fault again). What it had not reached runs in a fresh worker, and so on until every pair has a result."""
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    scratch = args.work_dir or Path(tempfile.mkdtemp(prefix="kda-verify-"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    backends = {b.name: b for b in runnable}
+    first pair it had not finished is the one it died on: that class fails for that backend, with a record
+    saying so (so that the dispatcher does not verify it again in a user's process, where it would fault
+    again). What it had not reached runs in a fresh worker, and so on until every pair has a result.
+    Records go to the shared store, whose writes are locked and atomic."""
 
-    def launch(slot: int, pairs: list[Pair], name: str) -> subprocess.Popen:
-        keys = list(dict.fromkeys(key for _, key in pairs))
+    def __init__(self, args, runnable, device: torch.device, progress, task, store) -> None:
+        self.args, self.device, self.progress, self.task, self.store = args, device, progress, task, store
+        self.backends = {b.name: b for b in runnable}
+        self.gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        self._scratch: Path | None = args.work_dir
+
+    @property
+    def scratch(self) -> Path:
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="kda-verify-"))
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        return self._scratch
+
+    def spread(self, classes: list[Any]) -> list[dict[str, Any]]:
+        """The classes spread over `--jobs` workers at once, round robin (each verifies every backend on its
+        share, on one GPU), then each worker's leftovers, if it died, in fresh ones."""
+        jobs = self.args.jobs
+        shares = [(i, [(b, cc.key) for b in self.backends for cc in classes[i::jobs]]) for i in range(jobs)]
+        children = [(i, pairs, self.launch(i, pairs, f"part-{i}")) for i, pairs in shares if pairs]
+        entries: list[dict[str, Any]] = []
+        for i, pairs, child in children:
+            found, left = self.collect(child, pairs, f"part-{i}")
+            entries += found
+            if left:
+                entries.append(self.dead(i, child, left[0], f"part-{i}"))
+                entries += self.run(i, left[1:], f"part-{i}-rest")
+            self.progress.update(self.task, description=f"worker {i} done")
+        return entries
+
+    def run(self, slot: int, pairs: list[Pair], tag: str) -> list[dict[str, Any]]:
+        """Verify `pairs` in workers on GPU `slot`, one after another: a worker for the first backend's
+        classes (what is left need not be every backend on every class), a fresh one after any death."""
+        entries: list[dict[str, Any]] = []
+        for n in range(len(pairs)):
+            if not pairs:
+                break
+            batch = [pair for pair in pairs if pair[0] == pairs[0][0]]
+            name = f"{tag}-{n}"
+            child = self.launch(slot, batch, name)
+            found, left = self.collect(child, batch, name)
+            entries += found
+            if left:
+                entries.append(self.dead(slot, child, left[0], name))
+                left = left[1:]
+            pairs = left + [pair for pair in pairs if pair[0] != batch[0][0]]
+        return entries
+
+    def launch(self, slot: int, pairs: list[Pair], name: str) -> subprocess.Popen:
+        args, scratch = self.args, self.scratch
         for stale in (scratch / f"{name}.json", scratch / f"{name}.jsonl"):
             stale.unlink(missing_ok=True)
         command = [sys.executable, "-m", "kda.verify", "--json", str(scratch / f"{name}.json")]
-        command += ["--progress", str(scratch / f"{name}.jsonl"), "--device", "cuda" if gpus else str(device)]
-        command += [f"--backend={b}" for b in dict.fromkeys(b for b, _ in pairs)] + [f"--case={k}" for k in keys]
+        command += ["--progress", str(scratch / f"{name}.jsonl"), "--device", "cuda" if self.gpus else str(self.device)]
+        command += [f"--backend={b}" for b in dict.fromkeys(b for b, _ in pairs)]
+        command += [f"--case={key}" for key in dict.fromkeys(key for _, key in pairs)]
         command += ["--quick"] if args.quick else []
         env = os.environ.copy()
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
         # The workers' CPU work (the float64 reference, compiles) shares the machine: without a cap each
         # one's torch would start a thread per core, args.jobs times over.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(args.jobs, 1))))
         with open(scratch / f"{name}.log", "w") as log:  # the child holds its own descriptor
             return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def collect(child: subprocess.Popen, pairs: list[Pair], name: str) -> tuple[list[dict[str, Any]], list[Pair]]:
+    def collect(self, child: subprocess.Popen, pairs: list[Pair], name: str) -> tuple[list[dict[str, Any]], list[Pair]]:
         """What the child verified, and the pairs it left without a result (in its order)."""
         child.wait()
-        found = _read_results(scratch / f"{name}.json", scratch / f"{name}.jsonl")
+        found = _read_results(self.scratch / f"{name}.json", self.scratch / f"{name}.jsonl")
+        self.progress.update(self.task, advance=len(found))
         done = {(e["backend"], e["case_class"]) for e in found}
         return found, [pair for pair in pairs if pair not in done]
 
-    shares = [(i, [(b.name, cc.key) for b in runnable for cc in classes[i :: args.jobs]]) for i in range(args.jobs)]
-    children = [(i, pairs, launch(i, pairs, f"part-{i}")) for i, pairs in shares if pairs]
-    entries: list[dict[str, Any]] = []
-    for i, pairs, child in children:
-        name = f"part-{i}"
-        found, left = collect(child, pairs, name)
-        entries += found
-        progress.update(task, advance=len(found))
-        for retry in range(1, len(pairs) + 1):
-            if not left:
-                break
-            tail = " | ".join((scratch / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:])
-            backend, key = left[0]
-            reason = f"the verify worker died (exit {child.returncode}) verifying this class: {tail}"
-            progress.console.print(f"[red]verify worker {i}: {backend} {key}: {reason}[/red]")
-            entries.append(_died(backends[backend], key, reason, device, args.quick, store))
-            progress.update(task, advance=1)
-            left = left[1:]
-            if not left:
-                break
-            # a fresh worker for the first backend's remaining classes (the pairs left need not be a product)
-            batch = [pair for pair in left if pair[0] == left[0][0]]
-            name = f"part-{i}-{retry}"
-            child = launch(i, batch, name)
-            found, missing = collect(child, batch, name)
-            entries += found
-            progress.update(task, advance=len(found))
-            left = missing + [pair for pair in left if pair[0] != batch[0][0]]
-        progress.update(task, description=f"worker {i} done")
-    return entries
+    def dead(self, slot: int, child: subprocess.Popen, pair: Pair, name: str) -> dict[str, Any]:
+        """The failure of the pair a worker died on."""
+        lines = (self.scratch / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        reason = f"the verify worker died (exit {child.returncode}) verifying this class: {' | '.join(lines[-3:])}"
+        self.progress.console.print(f"[red]verify worker {slot}: {pair[0]} {pair[1]}: {reason}[/red]")
+        self.progress.update(self.task, advance=1)
+        return _died(self.backends[pair[0]], pair[1], reason, self)
 
 
 def _read_results(final: Path, lines: Path) -> list[dict[str, Any]]:
@@ -365,10 +412,12 @@ def _read_results(final: Path, lines: Path) -> list[dict[str, Any]]:
     return found
 
 
-def _died(backend, key: str, reason: str, device: torch.device, quick: bool, store) -> dict[str, Any]:
-    """The report entry, and the stored failing record, of the class a worker died verifying."""
+def _died(backend, key: str, reason: str, workers: _Workers) -> dict[str, Any]:
+    """The report entry, and the stored failing record, of a class whose verification ended its process or
+    its CUDA context."""
     case = {"passed": False, "unsupported": False, "errors": {}, "problems": [reason], "reason": reason}
-    store.put(
+    device, quick = workers.device, workers.args.quick
+    workers.store.put(
         backend, device, [Record(case_class=key, source="verify", quick=quick, device_type=device.type, cases=[case])]
     )
     return {

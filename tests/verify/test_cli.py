@@ -224,7 +224,7 @@ def _refuse_work(monkeypatch) -> None:
         raise AssertionError("verification started despite bad usage")
 
     monkeypatch.setattr(cli, "verify_class", refuse)
-    monkeypatch.setattr(cli, "_run_jobs", refuse)
+    monkeypatch.setattr(cli._Workers, "spread", refuse)
 
 
 def _a_file(tmp_path: Path) -> Path:
@@ -470,6 +470,45 @@ def test_cli_jobs_keep_what_a_dying_worker_finished_and_run_what_it_did_not_reac
     for key in keys:
         record = store.get(kda.get_backend("torch"), "cpu", key)
         assert record is not None and record.passed == (key != third), key
+
+
+def test_cli_hands_what_is_left_to_a_fresh_process_when_the_cuda_context_is_lost(tmp_path, capsys, monkeypatch):
+    """In one process, a class whose kernels fault leaves the CUDA context unusable: that class fails (with a
+    record saying so), and the classes not yet verified run in a fresh worker instead of failing for it."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    )
+    third = "pregated/qk/beta/fp32/dense/mha/nostate/c64/d64/fwd"
+    verified = []
+    real_verify = cli.verify_class
+
+    def verify_class(backend, cc, *args, **kwargs):
+        verified.append(cc.key)
+        return real_verify(backend, cc, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_class", verify_class)
+    monkeypatch.setattr(
+        cli, "_context_lost", lambda device: "CUDA error: an illegal memory access" if verified[-1] == CHEAP_2 else None
+    )
+    real_popen = cli.subprocess.Popen
+    launched = []
+
+    def popen(command, **kwargs):
+        launched.append([part.removeprefix("--case=") for part in command if part.startswith("--case=")])
+        return real_popen(command, **kwargs)
+
+    monkeypatch.setattr(cli.subprocess, "Popen", popen)
+    out_json = tmp_path / "report.json"
+    argv = ["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2, "--case", third]
+    code = cli.main([*argv, "--work-dir", str(tmp_path / "work"), "--json", str(out_json)])
+    assert verified == [CHEAP, CHEAP_2] and launched == [[third]]
+    assert code == 1
+    assert "2 passed, 1 failed" in capsys.readouterr().out
+    results = {r["case_class"]: r for r in read_json(out_json)["results"]}
+    assert (results[CHEAP]["status"], results[third]["status"]) == ("pass", "pass")
+    assert results[CHEAP_2]["status"] == "fail" and "CUDA context was lost" in results[CHEAP_2]["reason"]
+    record = default_store().get(kda.get_backend("torch"), "cpu", CHEAP_2)
+    assert record is not None and not record.passed and "illegal memory access" in record.reason
 
 
 def test_cli_can_add_the_bench_classes(tmp_path, capsys, monkeypatch):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kda.backends.base import Backend, ForwardResult, KDAGradients, KDAInputs, KDAOutputs, Verdict
-from kda.backends.helion import runtime
+from kda.backends.helion import configs, runtime
 from kda.recurrent.spec import RecurrentSpec
 from kda.spec import KDASpec
 
@@ -41,7 +41,7 @@ class HelionBackend(Backend):
     """kda's own Helion kernels: forward and training, on CUDA or in Helion's CPU interpreter."""
 
     name = "helion"
-    version = "2"  # bump whenever a kernel changes: verification records are kept per version
+    version = "3"  # bump whenever a kernel changes: verification records are kept per version
     priority = 4  # below triton and fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True
@@ -60,7 +60,11 @@ class HelionBackend(Backend):
         return Verdict.yes(f"CUDA: forward and training (helion {runtime.helion_version()})")
 
     def fingerprint_extras(self) -> dict[str, str]:
-        return {"interpreter": "on" if runtime.interpreting() else "off", "helion": runtime.helion_version()}
+        return {
+            "interpreter": "on" if runtime.interpreting() else "off",
+            "helion": runtime.helion_version(),
+            "configs": configs.fingerprint(),
+        }
 
     def supports(self, spec: KDASpec) -> Verdict:
         broken = []

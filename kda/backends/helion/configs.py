@@ -5,10 +5,14 @@ Nothing is autotuned at call time. Each kernel's configuration comes from a tabl
 ``KDA_HELION_CONFIGS`` (same format; `kda.bench --tune-kernels helion` writes one), keyed by what changes
 the best configuration: the head dims ``K`` and ``V``, the chunk size, whether intermediates are half or
 fp32 (inference or training/fp32 inputs). An unseen shape takes the nearest entry of the same head dims
-(a differing chunk size or storage width is allowed); a kernel with no entry at its head dims, or whose
-entry Helion rejects, runs Helion's default configuration, with one warning per kernel and architecture.
-Entries are not carried across head dims: block sizes and stages are sized for them, and on the H200 a
-class at d256 that passed with the default configurations failed with the entries tuned at 128.
+and storage width (a differing chunk size is allowed); a kernel with no such entry, or whose entry Helion
+rejects, runs Helion's default configuration, with one warning per kernel and architecture. Entries are
+not carried across head dims: block sizes and stages are sized for them, and on the H200 a class at d256
+that passed with the default configurations failed with the entries tuned at 128. Nor across storage
+widths: the fp32 variant of a kernel is another program (fp32 operands, three TF32 products each), and
+`state`'s inference entry compiled for training takes 229 KB of shared memory and spills 2.5 KB a thread
+where Helion's own H200 default takes 147 KB and spills 2.0 KB, on twice the blocks
+(``benchmarks/helion_resources.py``).
 
 Table format: ``{"kernel name": [{"K": 128, "V": 128, "C": 64, "half": true, "config": {...}}, ...]}``,
 ``config`` being `helion.Config`'s keyword arguments.
@@ -17,8 +21,8 @@ Table format: ``{"kernel name": [{"K": 128, "V": 128, "C": 64, "half": true, "co
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -37,14 +41,6 @@ class ShapeKey:
     V: int
     C: int
     half: bool  # intermediates stored in bf16/fp16 (inference on half inputs)
-
-    def distance(self, entry: dict[str, Any]) -> float:
-        return (
-            abs(math.log2(self.K) - math.log2(entry["K"]))
-            + abs(math.log2(self.V) - math.log2(entry["V"]))
-            + (0.5 if entry["C"] != self.C else 0.0)
-            + (0.25 if self.half != entry["half"] else 0.0)
-        )
 
 
 def shipped_table_path(arch: str) -> Path:
@@ -85,12 +81,43 @@ def table(arch: str) -> dict[str, list[dict[str, Any]]]:
     return merged
 
 
+def fingerprint() -> str:
+    """A digest of the tables that can configure a kernel here (every shipped one, and ``KDA_HELION_CONFIGS``'s
+    file): another table compiles other code, so verification records made under one do not serve another."""
+    paths = sorted(Path(__file__).parent.glob("tuned_*.json"))
+    user = os.environ.get(TABLE_ENV)
+    if user and Path(user).is_file():  # as `table` reads it: a name without a file configures nothing
+        paths.append(Path(user))
+    return _digest(tuple((str(path), _mtime(path)) for path in paths))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return -1.0
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(files: tuple[tuple[str, float], ...]) -> str:
+    digest = hashlib.sha256()
+    for name, _ in files:  # the mtime is part of the cache key only: a rewritten file is read again
+        path = Path(name)
+        digest.update(path.name.encode())
+        try:
+            digest.update(path.read_bytes())
+        except OSError as error:  # absent or unreadable: the table reader ignores it, and so does this
+            digest.update(f"({type(error).__name__})".encode())
+    return digest.hexdigest()[:12]
+
+
 def nearest(name: str, key: ShapeKey) -> dict[str, Any] | None:
-    """The configuration of the entry for kernel `name` nearest to `key`, or None without one."""
-    entries = [e for e in table(key.arch).get(name, []) if e["K"] == key.K and e["V"] == key.V]
+    """The configuration of the entry for kernel `name` at `key`'s head dims and storage width, its own chunk
+    size first, or None without one."""
+    entries = [e for e in table(key.arch).get(name, []) if (e["K"], e["V"], e["half"]) == (key.K, key.V, key.half)]
     if not entries:
         return None
-    return min(entries, key=key.distance)["config"]
+    return min(entries, key=lambda entry: entry["C"] != key.C)["config"]
 
 
 _WARNED: set[tuple[str, str]] = set()
@@ -128,5 +155,6 @@ def choose(name: str, key: ShapeKey, bound: Any) -> Any:
                 problem = f"{type(error).__name__}: {error}"
         warn_default(name, key.arch, f"its table entry does not fit: {problem}")
     else:
-        warn_default(name, key.arch, f"no table entry at K={key.K}, V={key.V}")
+        width = "16-bit" if key.half else "fp32"
+        warn_default(name, key.arch, f"no table entry at K={key.K}, V={key.V} with {width} intermediates")
     return bound.config_spec.default_config()

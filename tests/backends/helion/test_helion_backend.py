@@ -12,6 +12,7 @@ Helion these tests skip.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -101,6 +102,37 @@ def test_strips_past_the_product_span_take_the_exact_diagonal(seed, interpreter,
             assert relative_error(grad.double(), want) <= tolerance(name, "float32"), name
 
 
+@pytest.mark.parametrize(
+    ("dtype", "training", "output", "others"),
+    [
+        (torch.bfloat16, True, "tf32", "tf32x3"),  # o never reaches the backward: one TF32 product suffices
+        (torch.bfloat16, False, "tf32", "tf32"),
+        (torch.float32, True, "ieee", "ieee"),
+    ],
+    ids=["bf16-training", "bf16-inference", "fp32-training"],
+)
+def test_each_kernel_multiplies_at_its_precision(seed, interpreter, monkeypatch, dtype, training, output, others):
+    launched: dict[str, set[str]] = {}
+    real = runtime.launch
+
+    def recording(fn, precision, args, key):
+        launched.setdefault(fn.__name__.removesuffix("_kernel"), set()).add(precision)
+        real(fn, precision, args, key)
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    B, T, H, K, V = 1, 40, 2, 16, 16
+    q, k, v = (torch.randn(B, T, H, D, dtype=dtype).requires_grad_(training) for D in (K, K, V))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K)).to(dtype).requires_grad_(training)
+    beta = torch.rand(B, T, H, dtype=dtype).requires_grad_(training)
+    monkeypatch.setenv("KDA_VERIFY", "off")  # the route, not the verifier's own calls
+    o, _ = kda.chunk_kda(q, k, v, g, beta, backend="helion", chunk_size=32)
+    if training:
+        o.sum().backward()
+    assert launched.pop("output") == {output}
+    assert len(launched) == (9 if training else 4), sorted(launched)
+    assert all(used == {others} for used in launched.values()), launched
+
+
 def test_the_helion_kernels_are_what_ran(seed, interpreter, monkeypatch):
     launched: list[str] = []
     real = runtime.launch
@@ -135,14 +167,43 @@ def _entry(K: int, V: int, C: int, half: bool, warps: int) -> dict:
     return {"K": K, "V": V, "C": C, "half": half, "config": {"num_warps": warps}}
 
 
-def test_the_nearest_entry_at_the_same_head_dims(tmp_path, monkeypatch):
+def test_an_entry_serves_its_own_head_dims_and_storage_width_any_chunk(tmp_path, monkeypatch):
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"k": [_entry(128, 128, 64, True, 4), _entry(128, 128, 32, False, 8)]}))
+    entries = [_entry(128, 128, 64, True, 4), _entry(128, 128, 32, True, 8), _entry(128, 128, 32, False, 2)]
+    table.write_text(json.dumps({"k": entries}))
     monkeypatch.setenv(configs.TABLE_ENV, str(table))
     assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 64, True)) == {"num_warps": 4}
     assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 32, True)) == {"num_warps": 8}
+    assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 32, False)) == {"num_warps": 2}
+    assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 64, False)) == {"num_warps": 2}  # other chunk
     assert configs.nearest("k", configs.ShapeKey("cpu", 256, 128, 64, True)) is None  # not across head dims
     assert configs.nearest("other", configs.ShapeKey("cpu", 128, 128, 64, True)) is None
+
+
+def test_another_config_table_is_another_fingerprint(tmp_path, monkeypatch):
+    """Verification records are kept per fingerprint: a table that compiles other code must not reuse them."""
+    backend = kda.get_backend("helion")
+    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
+    shipped = backend.fingerprint_extras()["configs"]
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"k": [_entry(128, 128, 64, True, 4)]}))
+    monkeypatch.setenv(configs.TABLE_ENV, str(table))
+    first = backend.fingerprint_extras()["configs"]
+    assert first != shipped
+    table.write_text(json.dumps({"k": [_entry(128, 128, 64, True, 8)]}))
+    os.utime(table, (1, 1))  # a rewrite in the same second must count too: the mtime changes here
+    assert backend.fingerprint_extras()["configs"] not in (first, shipped)
+    monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / "absent.json"))
+    assert backend.fingerprint_extras()["configs"] == shipped  # named but absent: the shipped tables alone
+
+
+def test_an_entry_is_not_carried_across_storage_widths(tmp_path, monkeypatch):
+    """A 16-bit (inference) entry does not configure the fp32 variant of its kernel, nor the reverse."""
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"k": [_entry(128, 128, 64, True, 8)], "j": [_entry(64, 64, 64, False, 4)]}))
+    monkeypatch.setenv(configs.TABLE_ENV, str(table))
+    assert configs.nearest("k", configs.ShapeKey("cpu", 128, 128, 64, False)) is None
+    assert configs.nearest("j", configs.ShapeKey("cpu", 64, 64, 64, True)) is None
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", json.dumps({"k": [{"K": "x"}, 5]})])

@@ -3,13 +3,16 @@ run by Triton's interpreter with every load and store address-checked (`tests/he
 `tests/addresses.py`), against the float64 reference through the verifier's `run_case`.
 
 `test_helion_backend.py` checks the kernels' math in Helion's eager interpreter; these check the code a GPU
-runs, with the products a GPU computes (TF32 for half inference, TF32x3 for training: `tests/tf32.py`): Helion's default configuration at small head dims, and the configurations shipped for the H200
-(`tuned_sm90.json`) at the head dims they were tuned for. Every kernel of the forward and the backward must
-have run compiled, and none may touch memory outside its tensors.
+runs, with the products a GPU computes (TF32 for half inference, TF32x3 for training: `tests/tf32.py`) and
+the launch configurations an H200 gets: Helion's default there (its sm90 heuristics, not the CPU's) at
+small head dims, and the configurations shipped for the H200 (`tuned_sm90.json`) at the head dims they
+were tuned for, with the default for kernels the table has no entry for. Every kernel of the forward and
+the backward must have run compiled, and none may touch memory outside its tensors.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -25,11 +28,11 @@ pytest.importorskip("helion", reason="Helion is not installed (extra `helion`)")
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs Triton's CPU interpreter, on a machine without a GPU", allow_module_level=True)
 
-from helion_compiled import interpreter_bridges
+from helion_compiled import as_on_an_h200, interpreter_bridges
 from tf32 import emulate_gpu_dots
 
 from kda.backends import helion as helion_backend
-from kda.backends.helion import forward
+from kda.backends.helion import configs, forward
 
 FORWARD_KERNELS = {"gate", "scores", "solve", "state", "output"}
 BACKWARD_KERNELS = {"state_backward", "chunk_backward", "score_backward", "gate_tail", "qk_tail"}
@@ -38,8 +41,10 @@ BACKWARD_KERNELS = {"state_backward", "chunk_backward", "score_backward", "gate_
 @pytest.fixture
 def compiled(monkeypatch):
     """The helion backend launching its compiled kernels on CPU tensors (Helion's interpreter off), its
-    products computed as the GPU's tensor cores compute them (`tests/tf32.py`)."""
+    products computed as the GPU's tensor cores compute them (`tests/tf32.py`), its launch configurations
+    the ones Helion picks on an H200."""
     emulate_gpu_dots(monkeypatch)  # before the bridges, which widen bf16 operands on the way to it
+    as_on_an_h200(monkeypatch)
     monkeypatch.delenv("HELION_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(
@@ -80,13 +85,23 @@ def test_default_configurations_train_within_bounds(seed, compiled, checked_kern
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference-bf16", "training-fp32"])
 def test_the_shipped_h200_configurations_within_bounds(seed, compiled, checked_kernel_addresses, monkeypatch, training):
-    """K = V = 128, the head dims `tuned_sm90.json` holds: its entries, not Helion's defaults, must be what
-    compiled (a refused entry would warn and fall back, which the test turns into a failure)."""
+    """K = V = 128, the head dims `tuned_sm90.json` holds: each kernel with an entry at the call's storage width
+    must have compiled with it (an entry Helion refuses falls back to the default, and says so through
+    `configs.warn_default`); exactly the kernels without one run the default."""
     monkeypatch.setattr(forward, "arch", lambda device: "sm90")
+    defaulted: list[tuple[str, str]] = []
+    monkeypatch.setattr(configs, "warn_default", lambda name, arch, why: defaulted.append((name, why)))
     cc = case_class(varlen=True, gva=True, chunk_size=64, training=training, head_dim=128,
                     dtype="float32" if training else "bfloat16")  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="kda: helion kernel .* table entry")
-        result = run_case(compiled, small_case(cc, "realistic", K=128, V=128, seed=seed), "cpu")
+    result = run_case(compiled, small_case(cc, "realistic", K=128, V=128, seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
     assert kernels_run(checked_kernel_addresses) == kernels_of(cc)
+    shipped = json.loads(configs.shipped_table_path("sm90").read_text())
+    with_entry = {
+        name.removesuffix("_kernel")
+        for name, entries in shipped.items()
+        if any((e["K"], e["V"], e["half"]) == (128, 128, not training) for e in entries)
+    }
+    assert with_entry, "the shipped table has no entry at this storage width"
+    assert all("no table entry" in why for _, why in defaulted), defaulted  # no entry was refused
+    assert {name.removesuffix("_kernel") for name, _ in defaulted} == kernels_of(cc) - with_entry

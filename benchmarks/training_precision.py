@@ -45,7 +45,7 @@ from kda.spec import CaseClass, GateMode  # noqa: E402
 from kda.verify.cases import VerificationCase  # noqa: E402
 from kda.verify.check import run_case  # noqa: E402
 
-X3, TF32, ROUNDED = "tf32x3", "tf32", storage.TF32_ROUNDED
+X3, TF32, ROUNDED, HALVES = "tf32x3", "tf32", storage.TF32_ROUNDED, storage.BF16_HALVES
 
 
 def _mix(intra: str, state: str, backward_state: str, backward_chunk: str) -> dict[str, str]:
@@ -60,7 +60,8 @@ def _mix(intra: str, state: str, backward_state: str, backward_chunk: str) -> di
 # Named mixes (each sets the experiment-only `storage.TRAINING_*` attributes; the shipped values are
 # "v16"'s, restored after the run): version 16 (all TF32x3, shipped again in version 19), version 17 (the
 # backward state pass rounded; versions 17 and 18, until CI drew a case it fails), and the other mixes tried
-# then; "truncated_12" is versions 12 to 15 (TF32 in intra and the backward state pass).
+# then; "truncated_12" is versions 12 to 15 (TF32 in intra and the backward state pass); "halves" and
+# "halves_backward" multiply fp32 operands as bf16 halves (`storage.dot`), everywhere or in the backward.
 MIXES = {
     "v16": _mix(X3, X3, X3, X3),
     "v17": _mix(X3, X3, ROUNDED, X3),
@@ -69,6 +70,8 @@ MIXES = {
     "rounded_intra_too": _mix(ROUNDED, X3, ROUNDED, X3),
     "rounded_chunk_too": _mix(X3, X3, ROUNDED, ROUNDED),
     "rounded_all_but_intra": _mix(X3, ROUNDED, ROUNDED, ROUNDED),
+    "halves": _mix(HALVES, HALVES, HALVES, HALVES),
+    "halves_backward": _mix(X3, X3, HALVES, HALVES),
 }
 
 

@@ -26,8 +26,9 @@ tensor cores for bf16/fp16 inputs at inference, where the state pass and the out
 configured) take half-width operands instead (`operand`: the stored intermediates as they are, fp32
 accumulation); for bf16/fp16 training, ``tf32x3`` (three TF32 products that recover fp32's accuracy) in
 every kernel whose products reach the gradients, TF32 in the output (the measurements are beside
-`TRAINING_INTRA` below). ``TF32_ROUNDED`` (one TF32 product of operands rounded to TF32 first) exists only
-for precision experiments (`benchmarks/training_precision.py`, `benchmarks/triton_stages.py --train-sweep`);
+`TRAINING_INTRA` below). ``TF32_ROUNDED`` (one TF32 product of operands rounded to TF32 first) and
+``BF16_HALVES`` (three products of operands split into two bf16 values each) exist only for precision
+experiments (`benchmarks/training_precision.py`, `benchmarks/triton_stages.py --train-sweep`);
 no kernel ships with it. On the
 GPU a TF32 product reads its fp32 operands truncated to 10 mantissa bits, not rounded. That was
 reproduced on the CPU by making the interpreter truncate the same way (`tests/tf32.py`): it moved two
@@ -48,9 +49,10 @@ import triton.language as tl
 
 from kda.spec import KDASpec
 
-# One ``input_precision`` of our own beside Triton's "ieee", "tf32" and "tf32x3": TF32 products of operands
-# rounded to TF32 first (`dot`).
+# Two ``input_precision`` settings of our own beside Triton's "ieee", "tf32" and "tf32x3", for experiments
+# only (`dot`): TF32 products of operands rounded to TF32 first, and three products of bf16 halves.
 TF32_ROUNDED = "tf32_rounded"
+BF16_HALVES = "bf16_halves"
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,37 @@ def tf32_rounded(x):
 
 
 @triton.jit
+def bf16_rounded(x):
+    """``x`` (fp32) rounded to the nearest bf16 (ties to even), kept in fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dot(a, b, PRECISION: tl.constexpr):
-    """``tl.dot(a, b)`` at one of ``input_precision``'s settings, or at ``TF32_ROUNDED``: one TF32 product of
-    operands rounded to TF32 first. The tensor cores truncate fp32 operands to TF32, an error of up to 2^-10
-    of each operand and always toward zero, which sums coherently; rounded operands carry at most 2^-11,
-    of either sign, which mostly cancels, for one TF32 product's cost instead of TF32x3's three."""
+    """``tl.dot(a, b)`` at one of ``input_precision``'s settings, or at one of ours:
+
+    - ``TF32_ROUNDED``: one TF32 product of operands rounded to TF32 first. The tensor cores truncate fp32
+      operands to TF32, an error of up to 2^-10 of each operand and always toward zero, which sums
+      coherently; rounded operands carry at most 2^-11, of either sign, which mostly cancels, for one TF32
+      product's cost instead of TF32x3's three.
+    - ``BF16_HALVES``: each fp32 operand as two bf16 values, ``hi = bf16(x)`` and ``lo = bf16(x - hi)`` (16
+      significant bits together), and the three products above 2^-16 (``lo hi + hi lo + hi hi``), as the
+      tilelang backend multiplies fp32 values. Each product of bf16 values is exact in fp32, so they are
+      computed here as IEEE products of the halves: the numbers of three bf16 tensor-core products, not
+      their speed. A precision experiment: bf16 halves stored by the kernel that writes them are what
+      would let a training kernel's products read their operands from shared memory without TF32x3's
+      register cost (`docs/design.md`, "The helion backend")."""
     if PRECISION == "tf32_rounded":
         return tl.dot(tf32_rounded(a), tf32_rounded(b), input_precision="tf32")
+    elif PRECISION == "bf16_halves":
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        a_hi, b_hi = bf16_rounded(a), bf16_rounded(b)
+        a_lo, b_lo = bf16_rounded(a - a_hi), bf16_rounded(b - b_hi)
+        out = tl.dot(a_lo, b_hi, input_precision="ieee")
+        out = tl.dot(a_hi, b_lo, out, input_precision="ieee")
+        return tl.dot(a_hi, b_hi, out, input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)

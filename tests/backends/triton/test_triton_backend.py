@@ -582,6 +582,34 @@ def test_rounded_tf32_products(seed, interpreter):
     assert 1e-5 < rounded < truncated, (rounded, truncated)
 
 
+@triton.jit
+def _halves_dot_kernel(a, b, out):
+    r = tl.arange(0, 16)
+    offsets = r[:, None] * 16 + r[None, :]
+    tl.store(out + offsets, triton_storage.dot(tl.load(a + offsets), tl.load(b + offsets), "bf16_halves"))
+
+
+def test_bf16_halves_products(seed, interpreter):
+    """`storage.dot` at BF16_HALVES: each operand split as ``hi = bf16(x)``, ``lo = bf16(x - hi)`` (rounded to
+    nearest even) and the three products ``lo hi + hi lo + hi hi``: within fp32 rounding of that sum, about
+    2^-16 of the exact product, far closer than one TF32 product and short of TF32x3."""
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    out = torch.empty(16, 16)
+    _halves_dot_kernel[(1,)](a, b, out)
+    exact = a.double() @ b.double()
+
+    def halves(x):
+        hi = x.to(torch.bfloat16).double()
+        return hi, (x.double() - hi).to(torch.bfloat16).double()
+
+    (a_hi, a_lo), (b_hi, b_lo) = halves(a), halves(b)
+    expected = a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=1e-6)
+    error = ((out.double() - exact).norm() / exact.norm()).item()
+    without_lo = ((a_hi @ b_hi - exact).norm() / exact.norm()).item()
+    assert 1e-7 < error < 2**-14 < without_lo, (error, without_lo)
+
+
 def _passes_then_fails_on_dA_log(interpreter, monkeypatch, case, bound: float, settings: dict[str, str]):
     """``case`` passes as shipped, with ``dA_log`` under ``bound``, and fails on ``dA_log`` once the
     `storage` training products ``settings`` names (``{"INTRA": "tf32", ...}``) are forced."""

@@ -74,20 +74,13 @@ def _candidates(chosen: dict[str, Any], default: dict[str, Any], sweep: bool, wi
     return found
 
 
-def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every kernel launch of one call, per configuration: Triton source file, function, arguments, options."""
-    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: launches are caught, never compiled here
+def catch_launches() -> list[dict[str, Any]]:
+    """Switch Triton's interpreter on (before Triton is imported) and keep each launch instead of running it:
+    the list returned fills with (function, arguments, grid, options). Helion's choices are made as on an
+    H200 from then on."""
+    os.environ["TRITON_INTERPRET"] = "1"
     os.environ.pop("HELION_INTERPRET", None)
-    os.environ["KDA_VERIFY"] = "off"  # nothing runs, so nothing could be verified
-    import warnings
-
-    import helion
-    import torch
     from triton.runtime import interpreter
-
-    from kda.backends import helion as helion_backend
-    from kda.backends.base import Verdict
-    from kda.backends.helion import configs, forward, runtime
 
     caught: list[dict[str, Any]] = []
 
@@ -96,11 +89,67 @@ def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
         caught.append(dict(fn=self.fn, args=launch_args, grid=grid, options=options))
 
     interpreter.InterpretedFunction.run = catch  # type: ignore[method-assign]
+    as_if_on_an_h200()
+    return caught
+
+
+def code_for(
+    name: str, fn: Callable[..., Any], precision: str, launch_args: tuple, candidates: list[tuple], caught: list
+) -> list[dict[str, Any]]:
+    """One record per (label, config) candidate: the Triton code Helion generates for kernel `fn` on
+    `launch_args` and the arguments of its launch (`catch_launches` must be in force)."""
+    import helion
+
+    records: list[dict[str, Any]] = []
+    for label, config in candidates:
+        caught.clear()
+        try:
+            kernel = helion.kernel(fn, config=helion.Config(**config), static_shapes=False, dot_precision=precision)
+            kernel(*launch_args)
+        except Exception as error:
+            records.append(dict(kernel=name, label=label, config=config, error=f"{type(error).__name__}: {error}"))
+            continue
+        launch = caught[-1]
+        records.append(
+            dict(
+                kernel=name,
+                label=label,
+                config={key: config[key] for key in PORTABLE if key in config},
+                file=launch["fn"].__code__.co_filename,
+                function=launch["fn"].__name__,
+                args=[_describe(arg) for arg in launch["args"]],
+                grid=list(launch["grid"]),
+                num_warps=launch["options"].get("num_warps", 4),
+                num_stages=launch["options"].get("num_stages", 1),
+            )
+        )
+    return records
+
+
+def default_config(fn: Callable[..., Any], precision: str, launch_args: tuple) -> dict[str, Any]:
+    """Helion's default configuration for `fn` on `launch_args` (as on an H200 under `catch_launches`)."""
+    import helion
+
+    bound = helion.kernel(fn, static_shapes=False, dot_precision=precision).bind(launch_args)
+    return json.loads(bound.config_spec.default_config().to_json())
+
+
+def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every kernel launch of one call, per configuration: Triton source file, function, arguments, options."""
+    caught = catch_launches()
+    os.environ["KDA_VERIFY"] = "off"  # nothing runs, so nothing could be verified
+    import warnings
+
+    import torch
+
+    from kda.backends import helion as helion_backend
+    from kda.backends.base import Verdict
+    from kda.backends.helion import configs, forward, runtime
+
     helion_backend.HelionBackend.available = lambda self: Verdict.yes("compiled for sm_90a, not run")
     helion_backend.HelionBackend.supports = lambda self, spec: Verdict.yes("compiled for sm_90a, not run")
     helion_backend.TRAINING_HEAD_DIM_LIMIT = helion_backend.HEAD_DIM_LIMIT
     forward.arch = lambda device: "sm90"  # the table the H200 reads
-    as_if_on_an_h200()
 
     launches: list[tuple] = []
     plain = runtime.launch
@@ -124,28 +173,8 @@ def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
         bound = runtime._kernel(fn, precision, False).bind(launch_args)
         default = json.loads(bound.config_spec.default_config().to_json())
         chosen = json.loads(configs.choose(fn.__name__, key, bound).to_json())
-        for label, config in _candidates(chosen, default, args.sweep, args.default):
-            caught.clear()
-            try:
-                kernel = helion.kernel(fn, config=helion.Config(**config), static_shapes=False, dot_precision=precision)
-                kernel(*launch_args)
-            except Exception as error:
-                records.append(dict(kernel=name, label=label, config=config, error=f"{type(error).__name__}: {error}"))
-                continue
-            launch = caught[-1]
-            records.append(
-                dict(
-                    kernel=name,
-                    label=label,
-                    config={key: config[key] for key in PORTABLE if key in config},
-                    file=launch["fn"].__code__.co_filename,
-                    function=launch["fn"].__name__,
-                    args=[_describe(arg) for arg in launch["args"]],
-                    grid=list(launch["grid"]),
-                    num_warps=launch["options"].get("num_warps", 4),
-                    num_stages=launch["options"].get("num_stages", 1),
-                )
-            )
+        candidates = _candidates(chosen, default, args.sweep, args.default)
+        records += code_for(name, fn, precision, launch_args, candidates, caught)
     return records
 
 
@@ -335,25 +364,30 @@ def main() -> int:
         return 0
     if not args.case and not args.shape:
         parser.error("give a bench shape or --case KEY")
-    records = generate(args)
+    records, version = compiled(generate(args), args.triton_path)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    print(report(records, version))
+    return 0
+
+
+def compiled(records: list[dict[str, Any]], triton_path: str | None) -> tuple[list[dict[str, Any]], str]:
+    """The records with their resources, compiled in a child process (with `triton_path`'s Triton first on
+    its path if given), and that Triton's version."""
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch, "records.json")
         path.write_text(json.dumps(records))
         env = dict(os.environ)
         env.pop("TRITON_INTERPRET", None)
-        if args.triton_path:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (args.triton_path, env.get("PYTHONPATH")) if p)
+        if triton_path:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (triton_path, env.get("PYTHONPATH")) if p)
         child = subprocess.run([sys.executable, __file__, "--compile-records", str(path)], env=env)
         if child.returncode != 0:
             print(f"the compile step exited with {child.returncode}; the records it finished follow", file=sys.stderr)
-        records = json.loads(path.read_text())
         version = subprocess.run(
             [sys.executable, "-c", "import triton; print(triton.__version__)"], env=env, capture_output=True, text=True
         ).stdout.strip()
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
-    print(report(records, version or "?"))
-    return 0
+        return json.loads(path.read_text()), version or "?"
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@
 #                each launch, which names a faulting kernel
 #   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
 #                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
+#   helion-halves benchmarks/helion_halves.py: the training state pass on bf16 halves against the shipped one
+#                (TF32x3), results compared then timed interleaved, at HALVES_SHAPES (default B4_T2048_H16_D128
+#                B1_T8192_H96_D128)
 #   cp-scaling   benchmarks/cp_scaling.py under torchrun on 1, 2, 4 and 8 GPUs (as many as this machine has): the
 #                equality check of both context-parallel modes against the one-GPU call at W > 1, then a
 #                training step's time per mode for each CP_SETS entry ("tokens,tokens:heads ...", default
@@ -206,6 +209,12 @@ for target in "$@"; do
       $(for s in ${HELION_DECODE_SHAPES:-}; do printf -- '--shape %s ' "$s"; done) > "$OUT/helion-decode/log.txt" 2>&1
     echo "helion-decode: exit $?"; grep -v -i warn "$OUT/helion-decode/log.txt" | tail -n 30
     ;;
+  helion-halves)
+    mkdir -p "$OUT/helion-halves"
+    KDA_VERIFY=off timeout "$(left 10)" python3 benchmarks/helion_halves.py \
+      ${HALVES_SHAPES:-B4_T2048_H16_D128 B1_T8192_H96_D128} > "$OUT/helion-halves/log.txt" 2>&1
+    echo "helion-halves: exit $?"; grep -v -i warn "$OUT/helion-halves/log.txt" | tail -n 30
+    ;;
   cp-scaling)
     mkdir -p "$OUT/cp-scaling"
     gpus=$(nvidia-smi -L | wc -l)
@@ -295,7 +304,7 @@ for target in "$@"; do
     fi
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, cp-scaling, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, helion-halves, cp-scaling, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
     exit 2
     ;;
   esac

@@ -23,13 +23,9 @@ Helion's generated code meets five gaps of Triton 3.9's interpreter, bridged her
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
 
 UNARY = {
     "exp": np.exp,
@@ -150,8 +146,6 @@ def as_on_an_h200(monkeypatch) -> None:
     """Helion's launch choices made as on an H200 though the tensors are on the CPU: its default configuration
     comes from heuristics registered per architecture and sized by the SM count, so a kernel without a table
     entry compiles here as it does there (`benchmarks/helion_resources.py`). Undone after the test."""
-    spec = importlib.util.spec_from_file_location("helion_resources", ROOT / "benchmarks" / "helion_resources.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.as_if_on_an_h200(monkeypatch.setattr)
+    from benchmark_scripts import load
+
+    load("helion_resources").as_if_on_an_h200(monkeypatch.setattr)

@@ -4,31 +4,17 @@ the slots nobody names (untouched)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from benchmark_scripts import load
 
 from kda.recurrent.reference import fused_recurrent_reference
 from kda.verify.check import relative_error
 
 helion = pytest.importorskip("helion", reason="helion is not installed (extra `test`)")
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("helion_decode", ROOT / "benchmarks" / "helion_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["helion_decode"] = module  # Helion's compiler looks the kernel's globals up by module name
-    spec.loader.exec_module(module)
-    return module
-
-
-helion_decode = _load()
+helion_decode = load("helion_decode")
 
 
 def _call(N: int, H: int, HV: int, K: int, V: int, slots: list, pool_dtype: torch.dtype, T: int = 1) -> dict:

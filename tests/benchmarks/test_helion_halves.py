@@ -4,31 +4,18 @@ the float64 recurrence and beside the shipped state kernel: every ``h`` and ``v_
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load
 
 from kda.verify.check import relative_error
 
 helion = pytest.importorskip("helion", reason="helion is not installed (extra `test`)")
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("helion_halves", ROOT / "benchmarks" / "helion_halves.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["helion_halves"] = module  # Helion's compiler looks the kernel's globals up by module name
-    spec.loader.exec_module(module)
-    return module
-
-
-helion_halves = _load()
+helion_halves = load("helion_halves")
 
 
 def _recurrence(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

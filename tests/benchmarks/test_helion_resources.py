@@ -11,12 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("helion_resources", ROOT / "benchmarks" / "helion_resources.py")
-assert spec is not None and spec.loader is not None
-helion_resources = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(helion_resources)
+helion_resources = load("helion_resources")
 
 
 @pytest.mark.parametrize(

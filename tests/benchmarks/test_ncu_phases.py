@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("ncu_phases", ROOT / "benchmarks" / "ncu_phases.py")
-assert spec is not None and spec.loader is not None
-ncu_phases = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ncu_phases)
+from benchmark_scripts import load
+
+ncu_phases = load("ncu_phases")
 
 HEADER = ["Address", "Source", ncu_phases.SAMPLES, ncu_phases.WAVEFRONTS, ncu_phases.EXECUTED, "stall_mio"]
 

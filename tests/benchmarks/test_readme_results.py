@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-readme_results = _load("readme_results")
-snapshot = _load("snapshot")
+readme_results = load("readme_results")
+snapshot = load("snapshot")
 
 
 def _row(shape: str, backend: str, ms: float, fla_ms: float, mode: str = "fwd", chose: str | None = None) -> dict:

@@ -4,25 +4,18 @@ per-rounding figures worth reading); with the shipped roundings it must differ a
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load
 
 from kda.spec import CaseClass
 from kda.verify.cases import VerificationCase, make_inputs
 from kda.verify.policy import tolerance
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "tilelang_backward_precision", ROOT / "benchmarks" / "tilelang_backward_precision.py"
-)
-assert spec is not None and spec.loader is not None
-precision = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(precision)
+precision = load("tilelang_backward_precision")
 
 
 def tiny(key: str, seed: int, T: int = 45):

@@ -3,19 +3,16 @@ clear message saying why not (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load
 
 pytest.importorskip("tilelang")
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("tilelang_stages", ROOT / "benchmarks" / "tilelang_stages.py")
-assert spec is not None and spec.loader is not None
-stages = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(stages)
+stages = load("tilelang_stages")
 
 
 def test_a_variant_is_the_build_function_of_its_file(tmp_path):

@@ -555,11 +555,11 @@ def test_interpreter_products_are_the_gpus(seed, interpreter, precision):
 
 
 @triton.jit
-def _rounded_dot_kernel(a, b, out):
+def _storage_dot_kernel(a, b, out, PRECISION: tl.constexpr):
     r = tl.arange(0, 16)
     offsets = r[:, None] * 16 + r[None, :]
     # looked up at the call: the `interpreter` fixture may have reloaded `storage` as interpreted functions
-    tl.store(out + offsets, triton_storage.dot(tl.load(a + offsets), tl.load(b + offsets), "tf32_rounded"))
+    tl.store(out + offsets, triton_storage.dot(tl.load(a + offsets), tl.load(b + offsets), PRECISION))
 
 
 def test_rounded_tf32_products(seed, interpreter):
@@ -571,7 +571,7 @@ def test_rounded_tf32_products(seed, interpreter):
 
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     out = torch.empty(16, 16)
-    _rounded_dot_kernel[(1,)](a, b, out)
+    _storage_dot_kernel[(1,)](a, b, out, PRECISION="tf32_rounded")
     exact = a.double() @ b.double()
 
     def product(operand):
@@ -582,20 +582,13 @@ def test_rounded_tf32_products(seed, interpreter):
     assert 1e-5 < rounded < truncated, (rounded, truncated)
 
 
-@triton.jit
-def _halves_dot_kernel(a, b, out):
-    r = tl.arange(0, 16)
-    offsets = r[:, None] * 16 + r[None, :]
-    tl.store(out + offsets, triton_storage.dot(tl.load(a + offsets), tl.load(b + offsets), "bf16_halves"))
-
-
 def test_bf16_halves_products(seed, interpreter):
     """`storage.dot` at BF16_HALVES: each operand split as ``hi = bf16(x)``, ``lo = bf16(x - hi)`` (rounded to
     nearest even) and the three products ``lo hi + hi lo + hi hi``: within fp32 rounding of that sum, about
     2^-16 of the exact product, far closer than one TF32 product and short of TF32x3."""
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     out = torch.empty(16, 16)
-    _halves_dot_kernel[(1,)](a, b, out)
+    _storage_dot_kernel[(1,)](a, b, out, PRECISION="bf16_halves")
     exact = a.double() @ b.double()
 
     def halves(x):

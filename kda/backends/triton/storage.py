@@ -29,7 +29,7 @@ every kernel whose products reach the gradients, TF32 in the output (the measure
 `TRAINING_INTRA` below). ``TF32_ROUNDED`` (one TF32 product of operands rounded to TF32 first) and
 ``BF16_HALVES`` (three products of operands split into two bf16 values each) exist only for precision
 experiments (`benchmarks/training_precision.py`, `benchmarks/triton_stages.py --train-sweep`);
-no kernel ships with it. On the
+no kernel ships with either. On the
 GPU a TF32 product reads its fp32 operands truncated to 10 mantissa bits, not rounded. That was
 reproduced on the CPU by making the interpreter truncate the same way (`tests/tf32.py`): it moved two
 bf16 training cases' ``dA_log`` from 2e-5 to 1.17e-2 and 1.27e-2 of the float64 reference, what the H200

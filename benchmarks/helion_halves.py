@@ -1,29 +1,33 @@
-"""The helion backend's training state pass with its products on bf16 halves, against the shipped one: does
-storing fp32 intermediates as halves pay on the GPU?
+"""The helion backend's two training serial passes with their products on bf16 halves, against the shipped
+ones: does storing fp32 intermediates as halves pay on the GPU?
 
-    python benchmarks/helion_halves.py B4_T2048_H16_D128 B1_T8192_H96_D128      # GPU: check, then time both
+    python benchmarks/helion_halves.py B4_T2048_H16_D128 B1_T8192_H96_D128      # GPU: check, then time
     python benchmarks/helion_halves.py --resources B4_T2048_H16_D128            # CPU: their sm_90a code
 
-When training, the helion backend stores ``w`` and ``k_g`` in fp32 and its state pass multiplies them in
-TF32x3, which Triton lowers with three operand copies in registers: compiled for sm_90a, the shipped kernel
-spills 580 B to 2.5 KB a thread under every launch setting (`docs/design.md`, "The helion backend"). The
-variant here reads them as the forward would store them instead, bf16 halves ``[NT, HV, 2, C, K]`` (``hi =
-bf16(x)``, ``lo = bf16(x - hi)``: the bytes of fp32), splits ``S`` and ``v_new`` the same way in registers,
-and sums the three products above 2^-16 on bf16 tensor cores, so its operands can come from shared memory.
-Per sequence ``n`` and value head ``hv``, the shipped kernel's math (`kda/backends/helion/state.py`)::
+When training, the helion backend stores ``w``, ``k_g``, ``q_e`` and ``A_qk`` in fp32 and multiplies them in
+TF32x3, which Triton lowers with three operand copies in registers: compiled for sm_90a, the state pass
+spills 580 B to 2.5 KB a thread under every launch setting, the backward's reverse pass 1.5 to 3.2 KB
+(`docs/design.md`, "The helion backend"). The variants here read those tensors as the forward would store
+them instead, bf16 halves ``[NT, HV, 2, C, ...]`` (``hi = bf16(x)``, ``lo = bf16(x - hi)``: the bytes of
+fp32), split the fp32 values they make in registers (``S``, ``v_new``, ``dS``, ``dv_new``) the same way, and
+sum the products above 2^-16 on bf16 tensor cores, so their operands can come from shared memory (``do``
+is 16-bit already: one half). Per sequence ``n`` and value head ``hv``, the shipped kernels' math
+(`kda/backends/helion/state.py`, `state_backward.py`), each product ``a b`` as ``a_lo b_hi + a_hi b_lo +
+a_hi b_hi``::
 
-    for each chunk j of the sequence, in order:
-        h[j]     = S                                                  [K, V]
-        v_new[j] = u[j] - (w_lo S_hi + w_hi S_lo + w_hi S_hi)        [C, V]  (written over u)
-        S        = exp(G_last[j])[:, None] * S + (k_lo^T v_hi + k_hi^T v_lo + k_hi^T v_hi)
+    state, chunk j in order:             h[j] = S;  v_new[j] = u[j] - w S
+                                         S = exp(G_last[j])[:, None] S + k_g^T v_new
+    state_backward, chunk j in reverse:  dh[j] = dS;  dv_new[j] = A_qk^T do + k_g dS
+                                         dS = exp(G_last[j])[:, None] dS + q_e^T do - w^T dv_new
 
-Only the state pass is here (no initial or final state: the benchmark's calls have neither); halves in the
-backend would change what the training forward stores and what every backward kernel reads. Their
-precision was measured on the triton backend's kernels (`storage.BF16_HALVES`, "Precision and storage").
+Only the two passes are here, without initial or final states (the benchmark's calls have neither);
+halves in the backend would change what the training forward stores and what every backward kernel
+reads. Their precision was measured on the triton backend's kernels (`storage.BF16_HALVES`, "Precision
+and storage").
 
-On a GPU, both kernels run on the same inputs (the halves made from the fp32 tensors); ``v_new`` and ``h``
-are compared, then each is timed (median of `kda.bench.timing.median_ms`, the two interleaved) at the
-shipped kernel's configuration and at the variant's candidates. With ``--resources`` (any machine) both are
+On a GPU, each pass and its variant run on the same inputs (the halves made from the fp32 tensors); their
+outputs are compared, then each is timed (median of `kda.bench.timing.median_ms`, interleaved) at the
+shipped kernel's configuration and at the variant's candidates. With ``--resources`` (any machine) all are
 compiled for sm_90a as an H200's Helion would configure them (`helion_resources.py`): registers, spills,
 shared memory.
 """
@@ -31,8 +35,11 @@ shared memory.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helion.language as hl
 import torch
 
-CANDIDATES = [(16, 4), (32, 4), (32, 8), (64, 8)]  # (value columns, warps): spill-free for sm_90a at K = 128
+# (value columns, warps): for sm_90a at K = 128 the state pass does not spill at these, the reverse pass least
+CANDIDATES = [(16, 4), (32, 4), (32, 8), (64, 8)]
 
 
 def state_halves_kernel(
@@ -85,6 +93,57 @@ def state_halves_kernel(
             S = hl.dot(k_hi, v_hi, acc=S)
 
 
+def state_backward_halves_kernel(
+    do: torch.Tensor,  # [tokens, HV, V] bf16 or fp16: one half already
+    q_halves: torch.Tensor,  # [NT, HV, 2, C, K] bf16: q_e = hi + lo
+    w_halves: torch.Tensor,  # [NT, HV, 2, C, K] bf16
+    k_halves: torch.Tensor,  # [NT, HV, 2, C, K] bf16
+    A_halves: torch.Tensor,  # [NT, HV, 2, C, C] bf16: A_qk = hi + lo
+    G: torch.Tensor,  # [NT, HV, C, K] fp32
+    chunk_starts: torch.Tensor,  # [NT] int32
+    chunk_seq_ends: torch.Tensor,  # [NT] int32
+    chunk_bounds: torch.Tensor,  # [N + 1] int32
+    dh: torch.Tensor,  # [NT, HV, K, V] fp32 out
+    dv_new: torch.Tensor,  # [NT, HV, C, V] fp32 out
+    C: hl.constexpr,
+) -> None:
+    N = chunk_bounds.size(0) - 1
+    HV = w_halves.size(1)
+    K = hl.specialize(w_halves.size(4))
+    V = dh.size(3)
+    for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
+        n = tile_n.begin
+        hv = tile_hv.begin
+        dS = hl.zeros([K, tile_v], dtype=torch.float32)
+        first = chunk_bounds[n]
+        last = chunk_bounds[n + 1] - 1
+        for tile_t in hl.tile(first, last + 1, block_size=1):
+            j = last - (tile_t.begin - first)  # the chunks in reverse
+            dh[j, hv, :, tile_v] = dS
+            rows = chunk_starts[j] + hl.arange(C)
+            valid = rows < chunk_seq_ends[j]
+            do_j = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None])  # [C, BV], exact in 16 bits
+            dS_hi = dS.to(torch.bfloat16)
+            dS_lo = (dS - dS_hi.to(torch.float32)).to(torch.bfloat16)
+            k_hi = k_halves[j, hv, 0, :, :]  # [C, K]
+            dvn = hl.dot(A_halves[j, hv, 1, :, :].transpose(0, 1), do_j)  # [C, BV]
+            dvn = hl.dot(A_halves[j, hv, 0, :, :].transpose(0, 1), do_j, acc=dvn)
+            dvn = hl.dot(k_halves[j, hv, 1, :, :], dS_hi, acc=dvn)
+            dvn = hl.dot(k_hi, dS_lo, acc=dvn)
+            dvn = hl.dot(k_hi, dS_hi, acc=dvn)
+            dv_new[j, hv, :, tile_v] = dvn
+            dS = dS * torch.exp(G[j, hv, C - 1, :])[:, None]
+            dS = hl.dot(q_halves[j, hv, 1, :, :].transpose(0, 1), do_j, acc=dS)
+            dS = hl.dot(q_halves[j, hv, 0, :, :].transpose(0, 1), do_j, acc=dS)
+            dvn_hi = dvn.to(torch.bfloat16)
+            dvn_lo = (dvn - dvn_hi.to(torch.float32)).to(torch.bfloat16)
+            w_hi = w_halves[j, hv, 0, :, :].transpose(0, 1)  # [K, C]
+            products = hl.dot(w_halves[j, hv, 1, :, :].transpose(0, 1), dvn_hi)
+            products = hl.dot(w_hi, dvn_lo, acc=products)
+            products = hl.dot(w_hi, dvn_hi, acc=products)
+            dS = dS - products
+
+
 def halves(x: torch.Tensor) -> torch.Tensor:
     """``[..., C, K]`` fp32 as ``[..., 2, C, K]`` bf16: ``hi = bf16(x)``, ``lo = bf16(x - hi)``."""
     hi = x.to(torch.bfloat16)
@@ -101,12 +160,20 @@ def inputs(B: int, T: int, HV: int, K: int, V: int, C: int, device: Any, seed: i
         return torch.randn(*shape, generator=generator).to(device)
 
     decay = torch.rand(NT, HV, C, K, generator=generator).to(device) * 0.1
+    causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    per_sequence = NT // B
+    chunk = torch.arange(NT, device=device)
     return dict(
         w=normal(NT, HV, C, K) / K**0.5,
         k_g=normal(NT, HV, C, K) / K**0.5,
+        q_e=normal(NT, HV, C, K) / K**0.5,
+        A_qk=torch.where(causal, normal(NT, HV, C, C) / C**0.5, 0.0),
         u=normal(NT, HV, C, V),
+        do=normal(B * T, HV, V).to(torch.bfloat16),
         G=-decay.cumsum(dim=2),
-        chunk_bounds=torch.arange(0, NT + 1, NT // B, dtype=torch.int32, device=device),
+        chunk_bounds=torch.arange(0, NT + 1, per_sequence, dtype=torch.int32, device=device),
+        chunk_starts=((chunk // per_sequence) * T + (chunk % per_sequence) * C).to(torch.int32),
+        chunk_seq_ends=((chunk // per_sequence + 1) * T).to(torch.int32),
     )
 
 
@@ -119,6 +186,21 @@ def halves_args(x: dict[str, torch.Tensor], u: torch.Tensor, h: torch.Tensor, C:
     return (halves(x["w"]), u, halves(x["k_g"]), x["G"], x["chunk_bounds"], h, C)
 
 
+def shipped_backward_args(x: dict[str, torch.Tensor], dh: torch.Tensor, dv_new: torch.Tensor, C: int) -> tuple:
+    """The shipped reverse pass's arguments (`kda/backends/helion/state_backward.py`), no state gradients."""
+    return (
+        x["do"], x["q_e"], x["w"], x["k_g"], x["A_qk"], x["G"], x["chunk_starts"], x["chunk_seq_ends"],
+        x["chunk_bounds"], x["G"], dh, dv_new, x["G"], C, False, False, False,
+    )  # fmt: skip
+
+
+def halves_backward_args(x: dict[str, torch.Tensor], dh: torch.Tensor, dv_new: torch.Tensor, C: int) -> tuple:
+    return (
+        x["do"], halves(x["q_e"]), halves(x["w"]), halves(x["k_g"]), halves(x["A_qk"]), x["G"],
+        x["chunk_starts"], x["chunk_seq_ends"], x["chunk_bounds"], dh, dv_new, C,
+    )  # fmt: skip
+
+
 def _shape(name: str) -> tuple[int, int, int, int]:
     from kda.workloads import BenchShape
 
@@ -126,29 +208,60 @@ def _shape(name: str) -> tuple[int, int, int, int]:
     return shape.B, shape.T, shape.H, shape.D
 
 
-def resources(shapes: list[str], triton_path: str | None) -> None:
-    """Both kernels compiled for sm_90a (no GPU needed), as an H200's Helion configures them."""
-    import helion_resources
+@dataclass(frozen=True)
+class Pass:
+    """One serial pass: the backend's kernel (module and name, imported on use) and its halves variant, each
+    one's arguments from the inputs and two output buffers, and those buffers fresh."""
 
-    from kda.backends.helion import state
+    name: str
+    module: str
+    kernel: str
+    variant: Callable[..., None]
+    shipped_args: Callable[..., tuple]
+    variant_args: Callable[..., tuple]
+    buffers: Callable[[dict[str, torch.Tensor], int, int], tuple[torch.Tensor, torch.Tensor]]
+    outputs: tuple[str, str]
+
+    def shipped(self) -> Callable[..., None]:
+        return getattr(importlib.import_module(f"kda.backends.helion.{self.module}"), self.kernel)
+
+
+PASSES = [
+    Pass(
+        "state", "state", "state_kernel", state_halves_kernel, shipped_args, halves_args,
+        lambda x, K, V: (x["u"].clone(), x["u"].new_empty(x["u"].shape[0], x["u"].shape[1], K, V)),
+        ("v_new", "h"),
+    ),
+    Pass(
+        "state_backward", "state_backward", "state_backward_kernel", state_backward_halves_kernel,
+        shipped_backward_args, halves_backward_args,
+        lambda x, K, V: (x["u"].new_empty(x["u"].shape[0], x["u"].shape[1], K, V), torch.empty_like(x["u"])),
+        ("dh", "dv_new"),
+    ),
+]  # fmt: skip
+
+
+def resources(shapes: list[str], triton_path: str | None) -> None:
+    """Both passes, shipped and on halves, compiled for sm_90a (no GPU needed) as an H200's Helion
+    configures them."""
+    import helion_resources
 
     caught = helion_resources.catch_launches()
     C, records = 64, []
     for name in shapes:
         B, T, HV, D = _shape(name)
         x = inputs(B, T, HV, D, D, C, "cpu", seed=0)
-        u, h = torch.empty_like(x["u"]), torch.empty(x["w"].shape[0], HV, D, D)
-        shipped = shipped_args(x, u, h, C)
-        default = helion_resources.default_config(state.state_kernel, "tf32x3", shipped)
-        records += helion_resources.code_for(
-            f"state {name}", state.state_kernel, "tf32x3", shipped, [("shipped, TF32x3", default)], caught
-        )
-        variant = halves_args(x, u, h, C)
-        candidates = [
-            ("halves, Helion's default", helion_resources.default_config(state_halves_kernel, "tf32", variant))
-        ]
-        candidates += [(f"halves, {bv} columns x {w}", dict(block_sizes=[bv], num_warps=w)) for bv, w in CANDIDATES]
-        records += helion_resources.code_for(f"state {name}", state_halves_kernel, "tf32", variant, candidates, caught)
+        for stage in PASSES:
+            shipped = stage.shipped_args(x, *stage.buffers(x, D, D), C)
+            default = helion_resources.default_config(stage.shipped(), "tf32x3", shipped)
+            label = f"{stage.name} {name}"
+            records += helion_resources.code_for(
+                label, stage.shipped(), "tf32x3", shipped, [("shipped, TF32x3", default)], caught
+            )
+            variant = stage.variant_args(x, *stage.buffers(x, D, D), C)
+            candidates = [("halves, Helion's default", helion_resources.default_config(stage.variant, "tf32", variant))]
+            candidates += [(f"halves, {bv} columns x {w}", dict(block_sizes=[bv], num_warps=w)) for bv, w in CANDIDATES]
+            records += helion_resources.code_for(label, stage.variant, "tf32", variant, candidates, caught)
     records, version = helion_resources.compiled(records, triton_path)
     print(helion_resources.report(records, version))
 
@@ -158,49 +271,57 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(name: str) -> None:
-    """On the GPU: the two kernels' results compared, then each timed on the same inputs."""
+    """On the GPU, for each pass: the halves' results against the shipped kernel's, then each timed on the
+    same inputs, interleaved."""
     import helion
 
-    from kda.backends.helion import configs, forward, runtime, state
+    from kda.backends.helion import configs, forward, runtime
     from kda.bench.timing import median_ms
 
     device = torch.device("cuda")
     B, T, HV, D = _shape(name)
     C = 64
     x = inputs(B, T, HV, D, D, C, device, seed=0)
-    h_shipped, h_halves = (torch.empty(x["w"].shape[0], HV, D, D, device=device) for _ in range(2))
-    u_shipped, u_halves = x["u"].clone(), x["u"].clone()
     key = configs.ShapeKey(forward.arch(device), D, D, C, False)
-    run_shipped = lambda: runtime.launch(state.state_kernel, "tf32x3", shipped_args(x, u_shipped, h_shipped, C), key)  # noqa: E731
-    run_shipped()
-    variant = halves_args(x, u_halves, h_halves, C)
-    print(f"{name}: shipped state pass (TF32x3, its table or default configuration) against halves", flush=True)
-    kernels = {"default": helion.kernel(state_halves_kernel, static_shapes=False)}
-    kernels |= {
-        f"{bv}x{w}": helion.kernel(
-            state_halves_kernel, static_shapes=False, config=helion.Config(block_sizes=[bv], num_warps=w)
-        )
-        for bv, w in CANDIDATES
-    }
-    for label, kernel in kernels.items():
-        u_halves.copy_(x["u"])
-        try:
-            kernel(*variant)
-        except Exception as error:
-            print(f"  halves {label}: failed ({type(error).__name__}: {str(error)[:200]})", flush=True)
-            continue
-        torch.cuda.synchronize()
-        print(f"  halves {label}: v_new {relative(u_halves, u_shipped):.1e} and h {relative(h_halves, h_shipped):.1e} "
-              "from the shipped kernel's", flush=True)  # fmt: skip
-    times: dict[str, list[float]] = {"shipped": []} | {label: [] for label in kernels}
-    for _ in range(3):  # interleaved rounds, so both see the same clocks
-        times["shipped"].append(median_ms(run_shipped, device, warmup_ms=20, rep_ms=100))
+    for stage in PASSES:
+        mine = stage.buffers(x, D, D)
+        shipped = stage.shipped_args(x, *mine, C)
+        kernel_shipped = stage.shipped()
+        run_shipped = lambda fn=kernel_shipped, a=shipped: runtime.launch(fn, "tf32x3", a, key)  # noqa: E731
+        run_shipped()
+        theirs = stage.buffers(x, D, D)
+        variant = stage.variant_args(x, *theirs, C)
+        print(f"{name} {stage.name}: the shipped pass (TF32x3, its table or default configuration) "
+              "against halves", flush=True)  # fmt: skip
+        kernels = {"default": helion.kernel(stage.variant, static_shapes=False)}
+        kernels |= {
+            f"{bv}x{w}": helion.kernel(
+                stage.variant, static_shapes=False, config=helion.Config(block_sizes=[bv], num_warps=w)
+            )
+            for bv, w in CANDIDATES
+        }
+        fresh = [buffer.clone() for buffer in theirs]  # the state pass writes v_new over u
         for label, kernel in kernels.items():
-            times[label].append(median_ms(lambda k=kernel: k(*variant), device, warmup_ms=20, rep_ms=100))
-    base = sorted(times["shipped"])[1]
-    for label, ms in times.items():
-        middle = sorted(ms)[1]
-        print(f"  {label:10s} {middle:8.3f} ms  ({base / middle:.2f}x the shipped pass)", flush=True)
+            for buffer, start in zip(theirs, fresh):
+                buffer.copy_(start)
+            try:
+                kernel(*variant)
+            except Exception as error:
+                print(f"  halves {label}: failed ({type(error).__name__}: {str(error)[:200]})", flush=True)
+                continue
+            torch.cuda.synchronize()
+            errors = ", ".join(f"{out} {relative(a, b):.1e}" for out, a, b in zip(stage.outputs, theirs, mine))
+            print(f"  halves {label}: {errors} from the shipped kernel's", flush=True)
+        times: dict[str, list[float]] = {"shipped": []} | {label: [] for label in kernels}
+        for _ in range(3):  # interleaved rounds, so both see the same clocks
+            times["shipped"].append(median_ms(run_shipped, device, warmup_ms=20, rep_ms=100))
+            for label, kernel in kernels.items():
+                run = lambda k=kernel, a=variant: k(*a)  # noqa: E731
+                times[label].append(median_ms(run, device, warmup_ms=20, rep_ms=100))
+        base = sorted(times["shipped"])[1]
+        for label, ms in times.items():
+            middle = sorted(ms)[1]
+            print(f"  {label:10s} {middle:8.3f} ms  ({base / middle:.2f}x the shipped pass)", flush=True)
 
 
 def main() -> int:

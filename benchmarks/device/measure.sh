@@ -31,9 +31,9 @@
 #                each launch, which names a faulting kernel
 #   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
 #                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
-#   helion-halves benchmarks/helion_halves.py: the training state pass on bf16 halves against the shipped one
-#                (TF32x3), results compared then timed interleaved, at HALVES_SHAPES (default B4_T2048_H16_D128
-#                B1_T8192_H96_D128)
+#   helion-halves benchmarks/helion_halves.py: the training serial passes (state, state_backward) on bf16
+#                halves against the shipped ones (TF32x3), results compared then timed interleaved, at
+#                HALVES_SHAPES (default B4_T2048_H16_D128 B1_T8192_H96_D128)
 #   cp-scaling   benchmarks/cp_scaling.py under torchrun on 1, 2, 4 and 8 GPUs (as many as this machine has): the
 #                equality check of both context-parallel modes against the one-GPU call at W > 1, then a
 #                training step's time per mode for each CP_SETS entry ("tokens,tokens:heads ...", default

@@ -1,6 +1,7 @@
-"""benchmarks/helion_halves.py's state pass on bf16 halves, run by Helion's interpreter on the CPU against
-the float64 recurrence and beside the shipped state kernel: every ``h`` and ``v_new`` written, within the
-2^-16 the halves carry, and not the shipped kernel's numbers (so the halves' products are what ran)."""
+"""benchmarks/helion_halves.py's serial passes on bf16 halves (the forward state pass and the backward's
+reverse pass), run by Helion's interpreter on the CPU against their float64 recurrences and beside the
+shipped kernels: every output element written, within the 2^-16 the halves carry, and not the shipped
+kernel's numbers (so the halves' products are what ran)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ helion = pytest.importorskip("helion", reason="helion is not installed (extra `t
 helion_halves = load("helion_halves")
 
 
-def _recurrence(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(v_new, h) in float64, chunk after chunk of each sequence."""
     w, k_g, u, G = (x[name].double() for name in ("w", "k_g", "u", "G"))
     NT, HV, C, K = w.shape
     v_new, h = torch.empty_like(u), torch.empty(NT, HV, K, u.shape[-1], dtype=torch.float64)
-    bounds = x["chunk_bounds"].tolist()
-    for start, end in itertools.pairwise(bounds):
+    for start, end in itertools.pairwise(x["chunk_bounds"].tolist()):
         S = torch.zeros(HV, K, u.shape[-1], dtype=torch.float64)
         for j in range(start, end):
             h[j] = S
@@ -33,27 +33,54 @@ def _recurrence(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     return v_new, h
 
 
-def test_the_halves_state_pass_against_the_recurrence_and_the_shipped_kernel(seed, monkeypatch):
-    from kda.backends.helion import runtime, state
+def _backward(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, dv_new) in float64, chunk after chunk of each sequence from its last; ``do`` past a sequence's end
+    is none of its chunk's."""
+    w, k_g, q_e, A, G = (x[name].double() for name in ("w", "k_g", "q_e", "A_qk", "G"))
+    NT, HV, C, K = w.shape
+    V = x["do"].shape[-1]
+    do = torch.zeros(NT, HV, C, V, dtype=torch.float64)
+    for j, (begin, end) in enumerate(zip(x["chunk_starts"].tolist(), x["chunk_seq_ends"].tolist())):
+        rows = min(C, end - begin)
+        do[j, :, :rows] = x["do"][begin : begin + rows].double().transpose(0, 1)
+    dh, dv_new = torch.empty(NT, HV, K, V, dtype=torch.float64), torch.empty(NT, HV, C, V, dtype=torch.float64)
+    for start, end in itertools.pairwise(x["chunk_bounds"].tolist()):
+        dS = torch.zeros(HV, K, V, dtype=torch.float64)
+        for j in reversed(range(start, end)):
+            dh[j] = dS
+            dv_new[j] = A[j].transpose(-1, -2) @ do[j] + k_g[j] @ dS
+            dS = G[j, :, C - 1].exp()[..., None] * dS + q_e[j].transpose(-1, -2) @ do[j]
+            dS = dS - w[j].transpose(-1, -2) @ dv_new[j]
+    return dh, dv_new
+
+
+REFERENCES = {"state": _forward, "state_backward": _backward}
+
+
+@pytest.mark.parametrize("stage", helion_halves.PASSES, ids=lambda stage: stage.name)
+def test_a_serial_pass_on_halves_against_the_recurrence_and_the_shipped_kernel(seed, monkeypatch, stage):
+    from kda.backends.helion import runtime
 
     monkeypatch.setenv("HELION_INTERPRET", "1")
     runtime.register_cpu_matmul()
-    B, T, HV, K, V, C = 2, 40, 3, 32, 16, 16
+    B, T, HV, K, V, C = 2, 40, 3, 32, 16, 16  # chunks of 16, 16 and 8 tokens a sequence
     x = helion_halves.inputs(B, T, HV, K, V, C, "cpu", seed=seed)
-    NT = x["w"].shape[0]
-    want_v, want_h = _recurrence(x)
+    wanted = REFERENCES[stage.name](x)
 
     results = {}
     for name, kernel, make_args in (
-        ("shipped", state.state_kernel, helion_halves.shipped_args),
-        ("halves", helion_halves.state_halves_kernel, helion_halves.halves_args),
+        ("shipped", stage.shipped(), stage.shipped_args),
+        ("halves", stage.variant, stage.variant_args),
     ):
-        u, h = x["u"].clone(), torch.full((NT, HV, K, V), float("nan"))  # NaN: an h not written fails
+        buffers = stage.buffers(x, K, V)
+        for out, buffer in zip(stage.outputs, buffers):
+            if out != "v_new" or stage.name != "state":  # v_new is written over u, the rest are outputs only
+                buffer.fill_(float("nan"))  # an element not written fails
         precision = {"dot_precision": "ieee"} if name == "shipped" else {}
-        helion.kernel(kernel, static_shapes=False, **precision)(*make_args(x, u, h, C))
-        assert torch.isfinite(u).all() and torch.isfinite(h).all(), name
-        results[name] = (relative_error(u.double(), want_v), relative_error(h.double(), want_h))
+        helion.kernel(kernel, static_shapes=False, **precision)(*make_args(x, *buffers, C))
+        assert all(torch.isfinite(buffer).all() for buffer in buffers), name
+        results[name] = [relative_error(got.double(), want) for got, want in zip(buffers, wanted)]
 
     assert max(results["shipped"]) < 1e-6, results  # fp32 products, exact up to fp32 rounding
     assert max(results["halves"]) < 2**-13, results  # 16 significant bits an operand, summed over chunks
-    assert results["halves"][0] > 2 * results["shipped"][0], results  # the halves' products ran
+    assert max(results["halves"]) > 2 * max(results["shipped"]), results  # the halves' products ran

@@ -151,8 +151,9 @@ def halves(x: torch.Tensor) -> torch.Tensor:
 
 
 def inputs(B: int, T: int, HV: int, K: int, V: int, C: int, device: Any, seed: int) -> dict[str, torch.Tensor]:
-    """A training state pass's inputs at realistic sizes: rows of ``w`` and ``k_g`` about unit length, the
-    safe gate's in-chunk decay sums (``G`` <= 0, falling along the chunk), ``u`` of unit scale."""
+    """Both training passes' inputs at realistic sizes: rows of ``w``, ``k_g`` and ``q_e`` about unit length,
+    a causal ``A_qk``, the safe gate's in-chunk decay sums (``G`` <= 0, falling along the chunk), ``u`` and
+    ``do`` of unit scale, and the chunk table of ``B`` sequences of ``T`` tokens."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     NT = B * -(-T // C)
 
@@ -210,12 +211,11 @@ def _shape(name: str) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True)
 class Pass:
-    """One serial pass: the backend's kernel (module and name, imported on use) and its halves variant, each
-    one's arguments from the inputs and two output buffers, and those buffers fresh."""
+    """One serial pass: the backend's kernel (``kda.backends.helion.<name>.<name>_kernel``, imported on use)
+    and its halves variant, each one's arguments from the inputs and two output buffers, and those buffers
+    fresh."""
 
     name: str
-    module: str
-    kernel: str
     variant: Callable[..., None]
     shipped_args: Callable[..., tuple]
     variant_args: Callable[..., tuple]
@@ -223,18 +223,17 @@ class Pass:
     outputs: tuple[str, str]
 
     def shipped(self) -> Callable[..., None]:
-        return getattr(importlib.import_module(f"kda.backends.helion.{self.module}"), self.kernel)
+        return getattr(importlib.import_module(f"kda.backends.helion.{self.name}"), f"{self.name}_kernel")
 
 
 PASSES = [
     Pass(
-        "state", "state", "state_kernel", state_halves_kernel, shipped_args, halves_args,
+        "state", state_halves_kernel, shipped_args, halves_args,
         lambda x, K, V: (x["u"].clone(), x["u"].new_empty(x["u"].shape[0], x["u"].shape[1], K, V)),
         ("v_new", "h"),
     ),
     Pass(
-        "state_backward", "state_backward", "state_backward_kernel", state_backward_halves_kernel,
-        shipped_backward_args, halves_backward_args,
+        "state_backward", state_backward_halves_kernel, shipped_backward_args, halves_backward_args,
         lambda x, K, V: (x["u"].new_empty(x["u"].shape[0], x["u"].shape[1], K, V), torch.empty_like(x["u"])),
         ("dh", "dv_new"),
     ),

@@ -31,6 +31,10 @@
 #                each launch, which names a faulting kernel
 #   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
 #                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
+#   helion-compile the helion backend's first call in a fresh process (kda.bench.cold, verification off) at
+#                HELION_COMPILE_SHAPE (default B1_T8192_H96_D128) in HELION_COMPILE_MODES (default fwd train_safe): with
+#                nothing compiled on disk, then with Triton's cache and kda's code cache (code_cache.py) warm, then
+#                with Triton's cache alone (KDA_HELION_CODE_CACHE=0) -> times.txt
 #   helion-halves benchmarks/helion_halves.py: the training serial passes (state, state_backward) on bf16
 #                halves against the shipped ones (TF32x3), results compared then timed interleaved, at
 #                HALVES_SHAPES (default B4_T2048_H16_D128 B1_T8192_H96_D128)
@@ -209,6 +213,21 @@ for target in "$@"; do
       $(for s in ${HELION_DECODE_SHAPES:-}; do printf -- '--shape %s ' "$s"; done) > "$OUT/helion-decode/log.txt" 2>&1
     echo "helion-decode: exit $?"; grep -v -i warn "$OUT/helion-decode/log.txt" | tail -n 30
     ;;
+  helion-compile)
+    mkdir -p "$OUT/helion-compile"
+    for mode in ${HELION_COMPILE_MODES:-fwd train_safe}; do
+      caches=/tmp/helion-compile-$mode; rm -rf "$caches"
+      for run in cold warm triton-only; do
+        switch=1; [ "$run" = triton-only ] && switch=0
+        printf '%s %s ' "$mode" "$run" >> "$OUT/helion-compile/times.txt"
+        KDA_VERIFY=off KDA_HELION_CODE_CACHE=$switch TRITON_CACHE_DIR=$caches/triton TORCHINDUCTOR_CACHE_DIR=$caches/inductor \
+          timeout "$(left 20)" python3 -m kda.bench.cold --backend helion --mode "$mode" \
+          --shape "${HELION_COMPILE_SHAPE:-B1_T8192_H96_D128}" >> "$OUT/helion-compile/times.txt" 2>> "$OUT/helion-compile/log.txt"
+        echo " exit $?" >> "$OUT/helion-compile/times.txt"
+      done
+    done
+    cat "$OUT/helion-compile/times.txt"; grep -v -i warn "$OUT/helion-compile/log.txt" | tail -n 5
+    ;;
   helion-halves)
     mkdir -p "$OUT/helion-halves"
     KDA_VERIFY=off timeout "$(left 10)" python3 benchmarks/helion_halves.py \
@@ -304,7 +323,7 @@ for target in "$@"; do
     fi
     ;;
   *)
-    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, helion-halves, cp-scaling, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
+    echo "measure.sh: unknown target '$target' (tune-fla, verify, bench, train-bench, decode, decode-tune, graphs, sweep, profile, helion-stages, helion-decode, helion-compile, helion-halves, cp-scaling, tune-helion, tilelang-compile, tilelang-stages, tilelang-ncu, tests)" >&2
     exit 2
     ;;
   esac

@@ -48,11 +48,14 @@ def test_a_report_row_names_what_failed_and_what_does_not_fit():
             shared=300000,
             spill_stores=0,
             spill_loads=0,
+            generate_s=0.5,
+            compile_s=1.25,
         ),
     ]
     table = helion_resources.report(records, "3.6.0")
     assert "| state | chosen | [32] | failed: OutOfResources: shared memory" in table
-    assert "| output | chosen | [128] | 8 | 4 | 1 | 64 | 0/0 | 300000 | 0 | 0 | does not fit |" in table
+    assert "| output | chosen | [128] | 8 | 4 | 1 | 64 | 0/0 | 300000 | 0 | 0 | does not fit | 0.50 | 1.25 |" in table
+    assert "0.5 s generating the 1 kernels' code (Helion) and 1.2 s compiling it" in table  # failed ones not counted
 
 
 @pytest.mark.skipif(importlib.util.find_spec("helion") is None, reason="Helion is not installed (extra `helion`)")
@@ -71,4 +74,5 @@ def test_a_training_call_compiles_for_sm90_and_reports_its_kernels(tmp_path):
         assert 0 < record["registers"] <= 255, record
         assert record["spill_stores"] is not None and record["shared"] > 0, record
         assert record["grid"][0] > 0 and record["num_warps"] in (1, 2, 4, 8, 16, 32)
+        assert record["generate_s"] > 0 and record["compile_s"] > 0, record
     assert "| state | chosen |" in done.stdout and "sm_90a code, Triton" in done.stdout

@@ -121,6 +121,14 @@ def nearest(name: str, key: ShapeKey) -> dict[str, Any] | None:
 
 
 _WARNED: set[tuple[str, str]] = set()
+DEFAULTED: dict[tuple[str, ShapeKey], str] = {}  # (kernel, key) -> why it runs Helion's default configuration
+
+
+def fall_back(name: str, key: ShapeKey, why: str) -> None:
+    """Note that kernel `name` at `key` runs Helion's default configuration, and why; warn once per kernel and
+    architecture (the code cache keeps `why` with the kernel's code and says it again on load)."""
+    DEFAULTED[(name, key)] = why
+    warn_default(name, key.arch, why)
 
 
 def warn_default(name: str, arch: str, why: str) -> None:
@@ -130,7 +138,7 @@ def warn_default(name: str, arch: str, why: str) -> None:
     warnings.warn(
         f"kda: helion kernel {name} runs Helion's default configuration on {arch} ({why}); "
         "`python -m kda.bench --tune-kernels helion` measures one",
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -153,8 +161,8 @@ def choose(name: str, key: ShapeKey, bound: Any) -> Any:
                 return chosen
             except Exception as error:
                 problem = f"{type(error).__name__}: {error}"
-        warn_default(name, key.arch, f"its table entry does not fit: {problem}")
+        fall_back(name, key, f"its table entry does not fit: {problem}")
     else:
         width = "16-bit" if key.half else "fp32"
-        warn_default(name, key.arch, f"no table entry at K={key.K}, V={key.V} with {width} intermediates")
+        fall_back(name, key, f"no table entry at K={key.K}, V={key.V} with {width} intermediates")
     return bound.config_spec.default_config()

@@ -9,7 +9,9 @@
   ever autotuned at call time. After the first run the compiled host function is called directly, found
   by `launch_key`: Helion's own dispatch (binding the arguments, its specialization key, its guards) took
   about 150 us of host time a launch on the H200 machine, against ~20 us of GPU time for the small
-  stages, so a forward of six launches at B4_T2048_H16_D128 was bound by the host.
+  stages, so a forward of six launches at B4_T2048_H16_D128 was bound by the host. A launch new to the
+  process first looks for the module another process generated for it (`code_cache`), which skips Helion's
+  compiler (about 0.8 s a kernel); what it compiles, it keeps there.
 - `register_cpu_matmul`: the interpreter computes ``hl.dot`` of half-precision operands with an fp32 result
   as ``aten::mm.dtype``, which has no CPU kernel in torch; this registers one (an fp32 product, then the
   cast), once, only when a kernel is interpreted on CPU tensors.
@@ -21,11 +23,12 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kda.backends.helion import configs
+from kda.backends.helion import code_cache, configs
 
 
 def interpreting() -> bool:
@@ -105,17 +108,54 @@ def launch(fn: Callable[..., Any], dot_precision: str, args: tuple[Any, ...], ke
         return
     found = launch_key(fn, dot_precision, args, key)
     run = _COMPILED.get(found)
+    if run is None:
+        run = _kept(found, fn.__name__, key, args)
     if run is not None:
         run(*args)
         return
+    configs.DEFAULTED.pop((fn.__name__, key), None)  # what this launch's compile notes, `_keep` keeps
     bound = _kernel(fn, dot_precision, False).bind(args)
     if getattr(bound, "_config", None) is None:
         try:
             bound.set_config(configs.choose(fn.__name__, key, bound))
         except Exception as error:  # a table entry Helion accepted but could not compile
-            configs.warn_default(fn.__name__, key.arch, f"its table entry failed: {type(error).__name__}: {error}")
+            configs.fall_back(fn.__name__, key, f"its table entry failed: {type(error).__name__}: {error}")
             bound.set_config(bound.config_spec.default_config())
     bound(*args)
     compiled = getattr(bound, "_run", None)
     if callable(compiled):  # Helion's compiled host function for this specialization and configuration
         _COMPILED[found] = compiled
+        _keep(found, fn.__name__, key, args, compiled)
+
+
+def _kept(found: tuple, name: str, key: configs.ShapeKey, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+    """The host function another process compiled for this launch (`code_cache`), or None."""
+    device = _device_of(args)
+    if device is None or not code_cache.enabled(device):
+        return None
+    kept = code_cache.load(code_cache.entry_key(found, configs.fingerprint(), device), name)
+    if kept is None:
+        return None
+    run, default = kept
+    if default is not None:  # compiled on Helion's default configuration: say so, as the compiling process did
+        configs.fall_back(name, key, default)
+    _COMPILED[found] = run
+    return run
+
+
+def _keep(found: tuple, name: str, key: configs.ShapeKey, args: tuple[Any, ...], compiled: Any) -> None:
+    """Save the module Helion generated for this launch (`compiled` is its host function) for later
+    processes (`code_cache`)."""
+    device = _device_of(args)
+    if device is None or not code_cache.enabled(device):
+        return
+    try:
+        code = Path(compiled.__globals__["__file__"]).read_text()
+    except (AttributeError, KeyError, TypeError, OSError):  # nothing to keep: later processes compile, as this one
+        return
+    default = configs.DEFAULTED.get((name, key))
+    code_cache.save(code_cache.entry_key(found, configs.fingerprint(), device), name, code, default)
+
+
+def _device_of(args: tuple[Any, ...]) -> torch.device | None:
+    return next((arg.device for arg in args if isinstance(arg, torch.Tensor)), None)

@@ -105,3 +105,39 @@ def test_the_shipped_h200_configurations_within_bounds(seed, compiled, checked_k
     assert with_entry, "the shipped table has no entry at this storage width"
     assert all("no table entry" in why for _, why in defaulted), defaulted  # no entry was refused
     assert {name.removesuffix("_kernel") for name, _ in defaulted} == kernels_of(cc) - with_entry
+
+
+def test_a_later_process_runs_the_kept_code_without_helions_compiler(
+    seed, compiled, checked_kernel_addresses, monkeypatch, tmp_path
+):
+    """`code_cache` (switched on for CPU tensors here; it serves CUDA launches): a first process compiles
+    and keeps each launch's module; a later one (nothing compiled in memory) must run every kernel from
+    those modules, with Helion's compiler unused, and compute exactly what the compiled code computed."""
+    import helion
+
+    from kda.backends.helion import code_cache, runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(code_cache, "enabled", lambda device: True)
+    monkeypatch.setattr(runtime, "_COMPILED", {})
+    cc = case_class(dtype="bfloat16", varlen=True, gva=True)
+    case = small_case(cc, "realistic", seed=seed)
+    first = run_case(compiled, case, "cpu")
+    assert first.passed, (cc.key, first.reason, first.errors)
+    kept = sorted((tmp_path / "kda-helion").glob("*.json"))
+    assert len(kept) == len(runtime._COMPILED) > 0  # one entry a launch specialization
+
+    loaded: list[str] = []
+    plain_load = code_cache.load
+    monkeypatch.setattr(code_cache, "load", lambda key, kernel: loaded.append(kernel) or plain_load(key, kernel))
+    monkeypatch.setattr(runtime, "_COMPILED", {})  # the later process
+
+    def no_compiler(self, args):
+        raise AssertionError(f"Helion's compiler ran for {self.name} though its code was kept")
+
+    monkeypatch.setattr(helion.Kernel, "bind", no_compiler)
+    checked_kernel_addresses.launches.clear()
+    again = run_case(compiled, case, "cpu")
+    assert again.passed, (cc.key, again.reason, again.errors)
+    assert again.errors == first.errors  # the same code on the same inputs
+    assert {name.removesuffix("_kernel") for name in loaded} == kernels_of(cc) == kernels_run(checked_kernel_addresses)

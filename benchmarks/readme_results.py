@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kda.verify.cli import NOT_RUN
 from kda.workloads import DEFAULT_SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,10 +175,12 @@ def verify_lines(report: dict[str, Any]) -> list[str]:
         mine = [r for r in report["results"] if r["backend"] == backend]
         passed = sum(r["status"] == "pass" for r in mine)
         failed = sum(r["status"] == "fail" for r in mine)
+        not_run = sum(r["status"] == NOT_RUN for r in mine)
         ratios = [r["worst_ratio"] for r in mine if r["status"] == "pass" and r.get("worst_ratio") is not None]
         worst = f", at most {max(ratios):.2f} of the tolerance" if ratios else ""
-        quick = all(len(r.get("cases") or []) <= 1 for r in mine)
-        text = f"- `{backend}`: {passed} case classes passed, {failed} failed{worst}"
+        quick = all(len(r.get("cases") or []) <= 1 for r in mine if r["status"] != NOT_RUN)
+        cut = f", {not_run} not run (the run was stopped before them)" if not_run else ""
+        text = f"- `{backend}`: {passed} case classes passed, {failed} failed{cut}{worst}"
         text += " (one case per class: the bench's classes)" if quick else ""
         failures = [r for r in mine if r["status"] == "fail"]
         if failures:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kda.bench import results
+from kda.verify.cli import NOT_RUN
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -72,21 +73,29 @@ def merge_bench(paths: list[Path]) -> dict[str, Any]:
 
 
 def merge_verify(paths: list[Path]) -> dict[str, Any]:
-    """One verification report from several ``kda.verify --json`` files (later files winning per class)."""
+    """One verification report from several ``kda.verify --json`` files, later files winning per class. A
+    backend whose fingerprint changed (another version, packages or GPU) keeps only the later files' classes:
+    what was said of the old one is not about it. A class a stopped run did not reach ("not run") does not
+    replace an earlier result under the same fingerprint."""
     parts = [_read(p) for p in paths]
     found: dict[tuple[str, str], dict[str, Any]] = {}
     fingerprints: dict[str, Any] = {}
     unavailable: dict[str, Any] = {}
     for part in parts:
-        fingerprints.update(part.get("fingerprints", {}))
+        for backend, print_ in part.get("fingerprints", {}).items():
+            if backend in fingerprints and fingerprints[backend].get("id") != print_.get("id"):
+                found = {key: result for key, result in found.items() if key[0] != backend}
+            fingerprints[backend] = print_
         unavailable.update(part.get("unavailable", {}))
         for result in part["results"]:
-            found[(result["backend"], result["case_class"])] = result
+            key = (result["backend"], result["case_class"])
+            if result["status"] != NOT_RUN or key not in found:
+                found[key] = result
     merged = list(found.values())
     return {
         "kda": parts[-1]["kda"] if parts else None,
         "device": parts[-1]["device"] if parts else None,
-        "passed": all(r["status"] != "fail" for r in merged),
+        "passed": all(r["status"] not in ("fail", NOT_RUN) for r in merged),
         "fingerprints": fingerprints,
         "unavailable": unavailable,
         "results": merged,
@@ -94,15 +103,18 @@ def merge_verify(paths: list[Path]) -> dict[str, Any]:
 
 
 def verify_summary(report: dict[str, Any]) -> str:
-    """Per backend: classes passed / failed / refused, and the worst ratio to the tolerance."""
+    """Per backend: classes passed / failed / not run / refused, and the worst ratio to the tolerance."""
     lines = []
     for backend in sorted({r["backend"] for r in report["results"]}):
         mine = [r for r in report["results"] if r["backend"] == backend]
-        counts = {s: sum(r["status"] == s for r in mine) for s in ("pass", "fail")}
-        refused = len(mine) - counts["pass"] - counts["fail"]
+        counts = {s: sum(r["status"] == s for r in mine) for s in ("pass", "fail", NOT_RUN)}
+        refused = len(mine) - sum(counts.values())
         ratios = [r["worst_ratio"] for r in mine if r["status"] == "pass" and r.get("worst_ratio") is not None]
         worst = f", worst {max(ratios):.2f} of the tolerance" if ratios else ""
-        lines.append(f"- `{backend}`: {counts['pass']} passed, {counts['fail']} failed, {refused} not supported{worst}")
+        cut = f", {counts[NOT_RUN]} not run" if counts[NOT_RUN] else ""
+        lines.append(
+            f"- `{backend}`: {counts['pass']} passed, {counts['fail']} failed{cut}, {refused} not supported{worst}"
+        )
     return "\n".join(lines)
 
 

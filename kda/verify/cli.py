@@ -6,7 +6,10 @@
 
 Each (backend, case class) outcome is stored as a verification record (source "verify"), which the
 dispatcher then trusts. Exit status: 0 when every available backend passed every case class it
-supports; 1 when one failed, or a backend named with --backend is unavailable; 2 on bad usage.
+supports; 1 when one failed, a backend named with --backend is unavailable, or the run was stopped
+(SIGTERM, as `timeout` sends, or Ctrl-C) before every class had a result; 2 on bad usage. A stopped run
+still prints and writes its report: the classes verified so far (its workers' too), and the rest as
+"not run", which is not a failure and leaves no record.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,9 +93,23 @@ def _class_of(key: str) -> Any:
     return RecurrentCaseClass.from_key(key) if is_recurrent_key(key) else CaseClass.from_key(key)
 
 
+NOT_RUN = "not run"
+
+
+class _Stopped(Exception):
+    """Raised in the main thread by SIGTERM: the run stops and reports what it has."""
+
+
+def _stop_on_signal(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not cut the report short
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def _cell(entry: dict[str, Any]) -> str:
     if entry["status"] == "unsupported":
         return "[dim]-[/dim]"
+    if entry["status"] == NOT_RUN:
+        return "[dim]not run[/dim]"
     ratio = entry["worst_ratio"]
     shown = "inf" if ratio is None else f"{ratio:.2g}"
     return f"[green]pass {shown}[/green]" if entry["status"] == "pass" else f"[bold red]FAIL {shown}[/bold red]"
@@ -161,22 +179,31 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [b for b in chosen if b.name not in unavailable]
     store = default_store()
     started = time.perf_counter()
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("verifying", total=len(runnable) * len(classes))
-        workers = _Workers(args, runnable, device, progress, task, store)
-        if args.jobs > 1 and runnable:
-            entries = workers.spread(classes)
-        else:
-            entries = _run_here(args, runnable, classes, device, progress, task, store, err, workers)
+    stopped: str | None = None
+    previous = signal.signal(signal.SIGTERM, _stop_on_signal)
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=False,
+        ) as progress:
+            task = progress.add_task("verifying", total=len(runnable) * len(classes))
+            workers = _Workers(args, runnable, device, progress, task, store)
+            try:
+                if args.jobs > 1 and runnable:
+                    workers.spread(classes)
+                else:
+                    _run_here(args, runnable, classes, device, progress, task, store, err, workers)
+            except (_Stopped, KeyboardInterrupt) as why:
+                stopped = str(why) or "SIGINT"
+                workers.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    entries = workers.entries
     elapsed = time.perf_counter() - started
-
     by_key = {(e["backend"], e["case_class"]): e for e in entries}
     table = Table(
         title=f"kda {__version__} verification on {device} ({'quick' if args.quick else 'full'}; "
@@ -191,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         "reason": "no result (worker failed)",
         "cases": [],
     }
+    if stopped is not None:  # not reached before the signal: neither verified nor failed
+        missing = {**missing, "status": NOT_RUN, "reason": f"not run: the run was stopped ({stopped}) first"}
     for b in runnable:  # a class whose worker died is a failure in the report too, never a missing row
         for cc in classes:
             if (b.name, cc.key) not in by_key:
@@ -214,13 +243,15 @@ def main(argv: list[str] | None = None) -> int:
         for case in entry["cases"]:
             if not case.get("passed") and not case.get("unsupported"):
                 out.print(f"     case {case}")
-    checked = sum(1 for e in entries if e["status"] != "unsupported")
+    checked = sum(1 for e in entries if e["status"] not in ("unsupported", NOT_RUN))
+    not_run = sum(1 for e in entries if e["status"] == NOT_RUN)
     named_unavailable = [n for n in unavailable if n in args.backend]
-    ok = not failures and not named_unavailable
+    ok = not failures and not named_unavailable and stopped is None
     folder = store.root / "verification"
     where = f"records NOT saved ({folder} cannot be written)" if store.unsaved() else f"records in {folder}"
+    cut = f", {not_run} not run (stopped by {stopped})" if stopped is not None else ""
     out.print(
-        f"{checked - len(failures)} passed, {len(failures)} failed "
+        f"{checked - len(failures)} passed, {len(failures)} failed{cut} "
         f"({len(runnable)} backend(s), {len(classes)} case classes, {elapsed:.1f}s); {where}"
     )
     if named_unavailable:
@@ -233,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "passed": ok,
             "seconds": round(elapsed, 1),
+            **({"stopped": stopped} if stopped is not None else {}),
             "fingerprints": {
                 b.name: {**fingerprint(b, device), "id": fingerprint_id(fingerprint(b, device))} for b in runnable
             },
@@ -251,13 +283,13 @@ def _json_default(value: Any) -> Any:
 Pair = tuple[str, str]  # (backend name, case-class key), in the order they are verified
 
 
-def _run_here(args, runnable, classes, device, progress, task, store, err, workers) -> list[dict[str, Any]]:
+def _run_here(args, runnable, classes, device, progress, task, store, err, workers) -> None:
     """Verify every (backend, class) pair in this process, one after another. On CUDA the context is
     checked after each class: a kernel that faults (an illegal address) leaves it unusable, and every later
     class would fail for that reason alone. The class it was lost in fails, with a record saying so, and
     the pairs not yet verified go to fresh worker processes (`_Workers.run`)."""
     pairs = [(backend, cc) for backend in runnable for cc in classes]
-    entries: list[dict[str, Any]] = []
+    entries = workers.entries  # as each class ends: a stopped run reports what it had
     for done, (backend, cc) in enumerate(pairs, start=1):
         progress.update(task, description=f"{backend.name} {cc.key}")
         class_started = time.perf_counter()
@@ -284,8 +316,8 @@ def _run_here(args, runnable, classes, device, progress, task, store, err, worke
             )
         progress.advance(task)
         if lost is not None:
-            return entries + workers.run(device.index or 0, [(b.name, c.key) for b, c in pairs[done:]], "rest")
-    return entries
+            workers.run(device.index or 0, [(b.name, c.key) for b, c in pairs[done:]], "rest")
+            return
 
 
 def _context_lost(device: torch.device) -> str | None:
@@ -308,13 +340,16 @@ class _Workers:
     first pair it had not finished is the one it died on: that class fails for that backend, with a record
     saying so (so that the dispatcher does not verify it again in a user's process, where it would fault
     again). What it had not reached runs in a fresh worker, and so on until every pair has a result.
-    Records go to the shared store, whose writes are locked and atomic."""
+    Records go to the shared store, whose writes are locked and atomic. `entries` fills as results come
+    in; `stop` (a stopped run) ends the live workers and adds what they had written."""
 
     def __init__(self, args, runnable, device: torch.device, progress, task, store) -> None:
         self.args, self.device, self.progress, self.task, self.store = args, device, progress, task, store
         self.backends = {b.name: b for b in runnable}
         self.gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         self._scratch: Path | None = args.work_dir
+        self.entries: list[dict[str, Any]] = []
+        self.live: dict[subprocess.Popen, str] = {}  # running workers and their output names
 
     @property
     def scratch(self) -> Path:
@@ -323,26 +358,23 @@ class _Workers:
         self._scratch.mkdir(parents=True, exist_ok=True)
         return self._scratch
 
-    def spread(self, classes: list[Any]) -> list[dict[str, Any]]:
+    def spread(self, classes: list[Any]) -> None:
         """The classes spread over `--jobs` workers at once, round robin (each verifies every backend on its
         share, on one GPU), then each worker's leftovers, if it died, in fresh ones."""
         jobs = self.args.jobs
         shares = [(i, [(b, cc.key) for b in self.backends for cc in classes[i::jobs]]) for i in range(jobs)]
         children = [(i, pairs, self.launch(i, pairs, f"part-{i}")) for i, pairs in shares if pairs]
-        entries: list[dict[str, Any]] = []
         for i, pairs, child in children:
             found, left = self.collect(child, pairs, f"part-{i}")
-            entries += found
+            self.entries += found
             if left:
-                entries.append(self.dead(i, child, left[0], f"part-{i}"))
-                entries += self.run(i, left[1:], f"part-{i}-rest")
+                self.entries.append(self.dead(i, child, left[0], f"part-{i}"))
+                self.run(i, left[1:], f"part-{i}-rest")
             self.progress.update(self.task, description=f"worker {i} done")
-        return entries
 
-    def run(self, slot: int, pairs: list[Pair], tag: str) -> list[dict[str, Any]]:
+    def run(self, slot: int, pairs: list[Pair], tag: str) -> None:
         """Verify `pairs` in workers on GPU `slot`, one after another: a worker for the first backend's
         classes (what is left need not be every backend on every class), a fresh one after any death."""
-        entries: list[dict[str, Any]] = []
         for n in range(len(pairs)):
             if not pairs:
                 break
@@ -350,12 +382,26 @@ class _Workers:
             name = f"{tag}-{n}"
             child = self.launch(slot, batch, name)
             found, left = self.collect(child, batch, name)
-            entries += found
+            self.entries += found
             if left:
-                entries.append(self.dead(slot, child, left[0], name))
+                self.entries.append(self.dead(slot, child, left[0], name))
                 left = left[1:]
             pairs = left + [pair for pair in pairs if pair[0] != batch[0][0]]
-        return entries
+
+    def stop(self) -> None:
+        """End the live workers (the signal that stopped this run may have reached them too) and add what
+        they had written; a worker that does not end within ten seconds is killed."""
+        for child in self.live:
+            if child.poll() is None:
+                child.terminate()
+        for child, name in list(self.live.items()):
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            self.entries += _read_results(self.scratch / f"{name}.json", self.scratch / f"{name}.jsonl")
+        self.live.clear()
 
     def launch(self, slot: int, pairs: list[Pair], name: str) -> subprocess.Popen:
         args, scratch = self.args, self.scratch
@@ -373,11 +419,14 @@ class _Workers:
         # one's torch would start a thread per core, args.jobs times over.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(args.jobs, 1))))
         with open(scratch / f"{name}.log", "w") as log:  # the child holds its own descriptor
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.live[child] = name
+        return child
 
     def collect(self, child: subprocess.Popen, pairs: list[Pair], name: str) -> tuple[list[dict[str, Any]], list[Pair]]:
         """What the child verified, and the pairs it left without a result (in its order)."""
         child.wait()
+        del self.live[child]
         found = _read_results(self.scratch / f"{name}.json", self.scratch / f"{name}.jsonl")
         self.progress.update(self.task, advance=len(found))
         done = {(e["backend"], e["case_class"]) for e in found}
@@ -394,10 +443,10 @@ class _Workers:
 
 def _read_results(final: Path, lines: Path) -> list[dict[str, Any]]:
     """A worker's results: its JSON report when it finished, else the lines it wrote as it went (a line cut
-    short by its death is skipped)."""
+    short by its death is skipped). A stopped worker's classes "not run" are not results."""
     if final.exists():
         try:
-            return list(json.loads(final.read_text())["results"])
+            return [e for e in json.loads(final.read_text())["results"] if e["status"] != NOT_RUN]
         except (ValueError, KeyError, TypeError):
             pass
     found = []

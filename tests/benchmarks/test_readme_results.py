@@ -167,3 +167,49 @@ def test_the_decode_table_and_every_verify_file_come_from_the_snapshot(tmp_path)
     assert "0.200 (50%) | 0.100 (2.00x, 100%) | 0.100 (2.00x, 100%) → triton |" in block
     assert "9.00" not in block and "`torch` graph" not in block  # the reference's rows stay in decode.json
     assert "/verify-extra.json`; triton v22" in block and "/verify-decode.json`; triton v22" in block
+
+
+def _verify_file(path: Path, versions: dict[str, str], results: list[tuple[str, str, str]]) -> Path:
+    """A `kda.verify --json` file: a fingerprint per backend (its id follows its version) and the results."""
+    path.write_text(
+        json.dumps(
+            {
+                "kda": "0.1.0",
+                "device": "cuda",
+                "fingerprints": {b: {"backend_version": v, "id": f"{b}-v{v}"} for b, v in versions.items()},
+                "results": [
+                    {"backend": b, "case_class": key, "status": status, "worst_ratio": 0.5, "reason": None, "cases": []}
+                    for b, key, status in results
+                ],
+            }
+        )
+    )
+    return path
+
+
+def test_a_new_backend_version_replaces_what_was_verified_of_the_old_one_and_a_stopped_run_erases_nothing(tmp_path):
+    old = _verify_file(
+        tmp_path / "old.json",
+        {"helion": "2", "triton": "9"},
+        [("helion", "a", "pass"), ("helion", "b", "fail"), ("triton", "a", "pass"), ("triton", "b", "pass")],
+    )
+    new = _verify_file(
+        tmp_path / "new.json",
+        {"helion": "3", "triton": "9"},
+        [("helion", "a", "pass"), ("helion", "b", "not run"), ("triton", "a", "fail"), ("triton", "b", "not run")],
+    )
+    merged = snapshot.merge_verify([old, new])
+    status = {(r["backend"], r["case_class"]): r["status"] for r in merged["results"]}
+    # helion v3: only what its own run said (v2's failure at b is not about it); triton, the same version in
+    # both: its later result at a wins, and the stopped run's "not run" at b does not erase the pass
+    assert status == {
+        ("helion", "a"): "pass",
+        ("helion", "b"): "not run",
+        ("triton", "a"): "fail",
+        ("triton", "b"): "pass",
+    }
+    assert merged["fingerprints"]["helion"]["backend_version"] == "3" and merged["passed"] is False
+    lines = readme_results.verify_lines(merged)
+    assert lines[0].startswith("- `helion`: 1 case classes passed, 0 failed, 1 not run (the run was stopped before")
+    assert lines[1].startswith("- `triton`: 1 case classes passed, 1 failed, at most")
+    assert "1 not run" in snapshot.verify_summary(merged)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -470,6 +473,73 @@ def test_cli_jobs_keep_what_a_dying_worker_finished_and_run_what_it_did_not_reac
     for key in keys:
         record = store.get(kda.get_backend("torch"), "cpu", key)
         assert record is not None and record.passed == (key != third), key
+
+
+def test_cli_stopped_by_sigterm_reports_what_it_verified_and_the_rest_as_not_run(tmp_path, capsys, monkeypatch):
+    """`timeout` ends a run with SIGTERM: the report (table, count, JSON) still comes out, with the classes
+    verified before it and the others "not run" (not failures, and without records); the handler the
+    caller had is back afterwards."""
+    third = "pregated/qk/beta/fp32/dense/mha/nostate/c64/d64/fwd"
+    real_verify = cli.verify_class
+    seen = []
+
+    def verify_class(backend, cc, *args, **kwargs):
+        seen.append(cc.key)
+        if len(seen) == 2:  # the signal lands while the second class runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_verify(backend, cc, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_class", verify_class)
+    before = signal.getsignal(signal.SIGTERM)
+    out_json = tmp_path / "report.json"
+    argv = ["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2, "--case", third]
+    code = cli.main([*argv, "--json", str(out_json)])
+    assert code == 1
+    assert "1 passed, 0 failed, 2 not run (stopped by SIGTERM)" in capsys.readouterr().out
+    payload = read_json(out_json)
+    assert payload["stopped"] == "SIGTERM" and payload["passed"] is False
+    status = {r["case_class"]: r["status"] for r in payload["results"]}
+    assert status == {CHEAP: "pass", CHEAP_2: cli.NOT_RUN, third: cli.NOT_RUN}
+    store = default_store()
+    assert store.get(kda.get_backend("torch"), "cpu", CHEAP) is not None
+    assert store.get(kda.get_backend("torch"), "cpu", CHEAP_2) is None  # not run: nothing recorded
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_cli_jobs_stopped_by_sigterm_end_their_workers_and_keep_what_they_finished(tmp_path, capsys, monkeypatch):
+    """With --jobs, a stop while a worker still runs: that worker is ended (not left running), the classes
+    the others finished are in the report, and the hung worker's class is "not run"."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    )
+    real_popen = cli.subprocess.Popen
+    children = []
+
+    def second_worker_hangs(command, **kwargs):
+        if any(part.endswith("part-1.json") for part in command):
+            command = [sys.executable, "-c", "import time; time.sleep(600)"]
+        children.append(real_popen(command, **kwargs))
+        return children[-1]
+
+    monkeypatch.setattr(cli.subprocess, "Popen", second_worker_hangs)
+    work = tmp_path / "work"
+
+    def stop_once_the_first_worker_is_done():
+        deadline = time.monotonic() + 300
+        while not (work / "part-0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_the_first_worker_is_done, daemon=True).start()
+    out_json = tmp_path / "report.json"
+    argv = ["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2]
+    started = time.monotonic()
+    code = cli.main([*argv, "--jobs", "2", "--work-dir", str(work), "--json", str(out_json)])
+    assert code == 1 and time.monotonic() - started < 120
+    assert "1 passed, 0 failed, 1 not run (stopped by SIGTERM)" in capsys.readouterr().out
+    assert all(child.poll() is not None for child in children)  # no worker left running
+    status = {r["case_class"]: r["status"] for r in read_json(out_json)["results"]}
+    assert status == {CHEAP: "pass", CHEAP_2: cli.NOT_RUN}
 
 
 def test_cli_hands_what_is_left_to_a_fresh_process_when_the_cuda_context_is_lost(tmp_path, capsys, monkeypatch):

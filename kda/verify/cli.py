@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     store = default_store()
     started = time.perf_counter()
     stopped: str | None = None
-    previous = signal.signal(signal.SIGTERM, _stop_on_signal)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where Python delivers signals
+    previous = signal.signal(signal.SIGTERM, _stop_on_signal) if in_main_thread else None
     try:
         with Progress(
             TextColumn("{task.description}"),
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 stopped = str(why) or "SIGINT"
                 workers.stop()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     entries = workers.entries
     elapsed = time.perf_counter() - started
     by_key = {(e["backend"], e["case_class"]): e for e in entries}

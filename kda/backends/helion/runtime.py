@@ -108,8 +108,11 @@ def launch(fn: Callable[..., Any], dot_precision: str, args: tuple[Any, ...], ke
         return
     found = launch_key(fn, dot_precision, args, key)
     run = _COMPILED.get(found)
-    if run is None:
-        run = _kept(found, fn.__name__, key, args)
+    if run is not None:
+        run(*args)
+        return
+    kept_as = _entry_key(found, args)  # None where the code cache is off
+    run = _kept(kept_as, found, fn.__name__, key) if kept_as is not None else None
     if run is not None:
         run(*args)
         return
@@ -125,15 +128,21 @@ def launch(fn: Callable[..., Any], dot_precision: str, args: tuple[Any, ...], ke
     compiled = getattr(bound, "_run", None)
     if callable(compiled):  # Helion's compiled host function for this specialization and configuration
         _COMPILED[found] = compiled
-        _keep(found, fn.__name__, key, args, compiled)
+        if kept_as is not None:
+            _keep(kept_as, fn.__name__, key, compiled)
 
 
-def _kept(found: tuple, name: str, key: configs.ShapeKey, args: tuple[Any, ...]) -> Callable[..., Any] | None:
-    """The host function another process compiled for this launch (`code_cache`), or None."""
+def _entry_key(found: tuple, args: tuple[Any, ...]) -> str | None:
+    """The launch's name in the code cache, or None where the cache is off (not CUDA, or switched off)."""
     device = _device_of(args)
     if device is None or not code_cache.enabled(device):
         return None
-    kept = code_cache.load(code_cache.entry_key(found, configs.fingerprint(), device), name)
+    return code_cache.entry_key(found, configs.fingerprint(), device)
+
+
+def _kept(kept_as: str, found: tuple, name: str, key: configs.ShapeKey) -> Callable[..., Any] | None:
+    """The host function another process compiled for this launch (`code_cache`), or None."""
+    kept = code_cache.load(kept_as, name)
     if kept is None:
         return None
     run, default = kept
@@ -143,18 +152,14 @@ def _kept(found: tuple, name: str, key: configs.ShapeKey, args: tuple[Any, ...])
     return run
 
 
-def _keep(found: tuple, name: str, key: configs.ShapeKey, args: tuple[Any, ...], compiled: Any) -> None:
+def _keep(kept_as: str, name: str, key: configs.ShapeKey, compiled: Any) -> None:
     """Save the module Helion generated for this launch (`compiled` is its host function) for later
     processes (`code_cache`)."""
-    device = _device_of(args)
-    if device is None or not code_cache.enabled(device):
-        return
     try:
         code = Path(compiled.__globals__["__file__"]).read_text()
     except (AttributeError, KeyError, TypeError, OSError):  # nothing to keep: later processes compile, as this one
         return
-    default = configs.DEFAULTED.get((name, key))
-    code_cache.save(code_cache.entry_key(found, configs.fingerprint(), device), name, code, default)
+    code_cache.save(kept_as, name, code, configs.DEFAULTED.get((name, key)))
 
 
 def _device_of(args: tuple[Any, ...]) -> torch.device | None:

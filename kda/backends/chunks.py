@@ -76,16 +76,23 @@ def output_buffers(spec: KDASpec, out: KDAOutputs | None) -> tuple[torch.Tensor,
     """Where the kernels write ``o [B, T, HV, V]`` (the call's dtype) and the final state (fp32, None when
     not asked for): the caller's ``out`` buffers when contiguous, new tensors otherwise (`deliver` then
     copies into the caller's)."""
+    return output_buffer(spec, out), final_state_buffer(spec, out)
+
+
+def output_buffer(spec: KDASpec, out: KDAOutputs | None) -> torch.Tensor:
+    """`output_buffers`' ``o`` alone (a backend that allocates it later than the final state)."""
     if out is not None and out.o.is_contiguous():
-        o = out.o
-    else:
-        o = torch.empty(spec.B, spec.T, spec.HV, spec.V, dtype=spec.dtype, device=spec.device)
-    final_state = None
-    if spec.output_final_state:
-        given = None if out is None else out.final_state
-        reuse = given is not None and given.is_contiguous()
-        final_state = given if reuse else torch.empty(spec.state_shape, dtype=torch.float32, device=spec.device)
-    return o, final_state
+        return out.o
+    return torch.empty(spec.B, spec.T, spec.HV, spec.V, dtype=spec.dtype, device=spec.device)
+
+
+def final_state_buffer(spec: KDASpec, out: KDAOutputs | None) -> torch.Tensor | None:
+    """`output_buffers`' final state alone."""
+    if not spec.output_final_state:
+        return None
+    given = None if out is None else out.final_state
+    reuse = given is not None and given.is_contiguous()
+    return given if reuse else torch.empty(spec.state_shape, dtype=torch.float32, device=spec.device)
 
 
 def deliver(

@@ -43,11 +43,10 @@ def helion_backward(
         C, dfinal_state is not None, dh0 is not None, spec.state_v_first,
     )  # fmt: skip
 
+    # Each buffer is made when its stage comes and dropped once read: the gradients of the inputs after
+    # `chunk_backward`, whose working set (every saved tensor, dh and dv_new, its five outputs) is the
+    # backward's peak (`benchmarks/peak_memory.py`)
     dv = torch.empty(tokens, HV, V, dtype=inputs.v.dtype, device=device)
-    dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
-    dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
-    dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
-    dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
     dA_rows = torch.zeros(NT, HV, C, dtype=f32, device=device)
     if layout.num_chunks > 0:
         dq_c, dk_c, dG_c = (torch.empty(NT, HV, C, K, dtype=f32, device=device) for _ in range(3))
@@ -60,10 +59,14 @@ def helion_backward(
             saved["v_new"], dv_new, saved["q_e"], saved["k_g"], layout.chunk_starts, layout.chunk_seq_ends,
             dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c, spec.scale, plan.group, C,
         )  # fmt: skip
+        del dh, dv_new
         run(
             score_backward.score_backward_kernel,
             q, k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c, plan.group, C,
         )  # fmt: skip
+        del dP_qk, dP_kk
+        dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
+        dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
         A_log = inputs.A_log if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
         dt_bias = inputs.dt_bias.reshape(HV, K) if inputs.dt_bias is not None else placeholder
         run(
@@ -73,7 +76,10 @@ def helion_backward(
             float(spec.lower_bound or 0.0), 2.0 if spec.allow_neg_eigval else 1.0,
             C, forward.GATES[spec.gate_mode], inputs.dt_bias is not None, spec.use_beta_sigmoid_in_kernel,
         )  # fmt: skip
+        del dG_c, dbeta_c
         L2 = spec.use_qk_l2norm_in_kernel
+        dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
+        dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
         for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
             run(
                 tails.qk_tail_kernel,
@@ -81,7 +87,10 @@ def helion_backward(
                 dx, plan.group, C, L2,
             )  # fmt: skip
     else:  # every sequence empty: nothing but the state's own gradient
-        for grad in (dv, dg32, dbeta, dq, dk):
-            grad.zero_()
+        dg32 = torch.zeros(tokens, HV, K, dtype=f32, device=device)
+        dbeta = torch.zeros(tokens, HV, dtype=inputs.beta.dtype, device=device)
+        dq = torch.zeros(tokens, H, K, dtype=inputs.q.dtype, device=device)
+        dk = torch.zeros(tokens, H, K, dtype=inputs.k.dtype, device=device)
+        dv.zero_()
 
     return chunks.gradients(inputs, dq, dk, dv, dg32, dbeta, dA_rows, dh0)

@@ -1,0 +1,65 @@
+"""benchmarks/peak_memory.py: a call's peak memory counted from what its host code allocates, and the helion
+forward's peak at inference (each intermediate freed once no later stage reads it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from benchmark_scripts import load
+
+peak_memory = load("peak_memory")
+
+
+def test_the_counter_follows_allocations_and_frees():
+    kept = torch.randn(1000)  # made before: never counted
+
+    def call() -> torch.Tensor:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        b = torch.empty(2000, dtype=torch.float32)  # 8000: 12000 live
+        del a  # 8000
+        c = b.view(2, 1000) + kept  # a view costs nothing; the sum is new: 16000 live, the peak
+        del b
+        return c  # the result counts until the caller drops it
+
+    assert peak_memory.peak_bytes(call, [kept]) == 16000
+
+
+def test_inputs_written_in_place_do_not_count():
+    buffer = torch.zeros(4096)
+    assert peak_memory.peak_bytes(lambda: buffer.add_(1.0), [buffer]) == 0
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_the_helion_forward_at_inference_holds_one_stage_at_a_time(monkeypatch, l2norm):
+    """The peak is the larger of the solve's and the state pass's working sets, nothing more: allocating
+    every intermediate up front, as the training forward must keep them, holds about 12.5 of the
+    ``[tokens, HV, K]`` bf16 units here where a stage holds about 8.5."""
+    pytest.importorskip("helion", reason="helion is not installed (extra `helion`)")
+    import kda
+
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    monkeypatch.setenv("KDA_VERIFY", "off")
+    B, T, H, K, V, C = 1, 4 * 64 + 13, 2, 128, 128, 64
+    NT = -(-T // C)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q, k, v = (torch.randn(B, T, H, D, generator=generator, dtype=torch.bfloat16) for D in (K, K, V))
+    g = -torch.rand(B, T, H, K, generator=generator).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, generator=generator).to(torch.bfloat16)
+
+    def call():
+        return kda.chunk_kda(
+            q, k, v, g, beta, backend="helion", chunk_size=C, use_qk_l2norm_in_kernel=l2norm,
+            output_final_state=True,
+        )  # fmt: skip
+
+    peak = peak_memory.peak_bytes(call, [q, k, v, g, beta])
+    bf16, fp32 = 2, 4
+    per_key = NT * H * C * K  # elements of one chunk-major [NT, HV, C, K] tensor
+    ht = B * H * K * V * fp32
+    # G, A_qk, q_e, w, k_g and u: held by the solve and the state pass alike
+    common = fp32 * per_key + bf16 * NT * H * C * C + bf16 * 3 * per_key + bf16 * NT * H * C * V
+    # the solve also holds M, beta and the normalized k; the state pass h and the final state
+    solve = common + fp32 * NT * H * C * C + fp32 * NT * H * C + (bf16 * B * T * H * K if l2norm else 0)
+    state = common + bf16 * NT * H * K * V + ht
+    small = 4096  # the chunk tables, A_log's zeros, the l2 norms' rstd
+    assert max(solve, state) <= peak <= max(solve, state) + small, (peak, solve, state)

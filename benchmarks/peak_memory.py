@@ -1,26 +1,36 @@
-"""The helion backend's peak memory in one bench call, counted on any machine from what its host code
-allocates (its kernels are not run).
+"""A bench call's peak memory, counted on any machine from what the host code allocates (no kernel runs).
 
-    python benchmarks/peak_memory.py B1_T8192_H96_D128 B4_T2048_H16_D128 --mode fwd --mode train_safe
+    python benchmarks/peak_memory.py B1_T8192_H96_D128 --mode fwd --mode train_safe \
+        --backend helion --backend triton --backend baseline:fla
 
 The bench reports a call's peak as ``torch.cuda.max_memory_allocated`` beyond what was allocated before the
 call (`kda.bench.timing.peak_bytes`). A kernel allocates nothing on the GPU, so that peak is decided by the
 host code alone: which tensors it allocates, in what order, and when the last reference to each goes. Here
-the same call (`kda.bench.runner.call_for`: the public `chunk_kda`, and in a training mode its backward)
-runs on the CPU with every launch of the backend (`runtime.launch`) replaced by nothing, and each storage
-any operation creates is counted from its creation until it is freed (a `TorchDispatchMode` sees every
-operation, factories included; a finalizer on the storage sees it go). Storages that exist before the call
-(the inputs) do not count, as in the bench. The CUDA allocator rounds a block up to 512 bytes, which moves
-a bench shape's figure by well under 1 MiB.
+the bench's own call (`kda.bench.runner.call_for`: the public `chunk_kda`, FLA's for ``baseline:fla``, and
+in a training mode the backward) runs on the CPU with every kernel launch replaced by nothing (the helion
+backend's `runtime.launch`; every Triton kernel, FLA's and the triton backend's, run through Triton's
+interpreter so that CPU tensors are taken), and each storage any operation creates is counted from its
+creation until it is freed (a `TorchDispatchMode` sees every operation, factories included; a finalizer
+on the storage sees it go). Storages that exist before the call (the inputs) do not count, as in the
+bench. The CUDA allocator rounds a block up to 512 bytes, well under 1 MiB at a bench shape.
 
-The count is checked against the H200: for the forward at B1_T8192_H96_D128 and B4_T2048_H16_D128 it
-gives what `kda.bench` measured there for the same code (`docs/design.md`, "The helion backend").
+Checked against the H200's bench figures (`benchmarks/results/nvidia-h200/`): FLA's forward and training
+and the triton backend's, and the helion forward as it allocated every intermediate up front, come out
+to the MiB (`docs/design.md`, "The helion backend"). Run it as a script: it switches Triton's interpreter
+on before Triton is imported.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+
+if __name__ == "__main__":  # before Triton is imported: its kernels become interpreted ones, which take CPU tensors
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["HELION_INTERPRET"] = "1"  # the helion backend takes CPU tensors only with its interpreter on
+    os.environ["FLA_TILELANG"] = "0"  # FLA's TileLang pieces look for a GPU; its Triton path is the bench's
+    os.environ["KDA_VERIFY"] = "off"  # no verification before the call: the verifier's memory is not the call's
+
+import argparse
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -32,10 +42,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from kda.backends.helion import runtime
+from kda.bench import runner
 from kda.bench.runner import call_for
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
 MiB = 2**20
+BACKENDS = ["helion", "triton", "baseline:fla"]  # those whose every launch `launches_skipped` catches
 
 
 class LiveStorages(TorchDispatchMode):
@@ -75,13 +87,24 @@ class LiveStorages(TorchDispatchMode):
 
 @contextmanager
 def launches_skipped() -> Iterator[None]:
-    """Every helion kernel launch does nothing: the tensors it would write keep what they held."""
-    launch = runtime.launch
-    runtime.launch = lambda *args, **kwargs: None  # type: ignore[assignment]
+    """Every kernel launch does nothing (the tensors it would write keep what they held): the helion
+    backend's, and Triton's, by ``kernel[grid](...)`` (JIT functions, autotuners, heuristics alike) or by
+    an interpreted kernel's ``run``."""
+    from triton.runtime import interpreter, jit
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    saved = [(runtime, "launch"), (jit.KernelInterface, "__getitem__"), (interpreter.InterpretedFunction, "run")]
+    originals = [getattr(owner, name) for owner, name in saved]
+    runtime.launch = nothing  # type: ignore[assignment]
+    jit.KernelInterface.__getitem__ = lambda self, grid: nothing  # type: ignore[method-assign]
+    interpreter.InterpretedFunction.run = nothing  # type: ignore[method-assign]
     try:
         yield
     finally:
-        runtime.launch = launch  # type: ignore[assignment]
+        for (owner, name), original in zip(saved, originals, strict=True):
+            setattr(owner, name, original)
 
 
 def peak_bytes(call: Callable[[], Any], existing: list[torch.Tensor]) -> int:
@@ -95,26 +118,44 @@ def peak_bytes(call: Callable[[], Any], existing: list[torch.Tensor]) -> int:
     return counter.peak
 
 
+def call_of(backend: str, inputs: Any, mode: Any) -> tuple[Callable[[], Any] | None, str | None]:
+    """The bench's call (`call_for`), FLA's included: the bench calls FLA on CUDA only, where its kernels
+    can run; here none runs, and its host code takes CPU tensors."""
+    if backend != "baseline:fla":
+        return call_for(backend, inputs, mode)
+    from kda.backends.fla import fla_triton_chunk_kda
+
+    run = fla_triton_chunk_kda()
+
+    def forward() -> Any:
+        return run(**inputs.kwargs)
+
+    return (runner._with_backward(forward, inputs) if mode.training else forward), None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+", help="bench shapes, e.g. B1_T8192_H96_D128")
     parser.add_argument("--mode", action="append", choices=sorted(MODES), help="bench modes (default: fwd)")
+    parser.add_argument(
+        "--backend", action="append", choices=BACKENDS, help="what to count (default: helion); repeatable"
+    )
     args = parser.parse_args(argv)
-    os.environ["HELION_INTERPRET"] = "1"  # the backend takes CPU tensors only with its interpreter on
-    os.environ["KDA_VERIFY"] = "off"  # no verification before the call: the verifier's memory is not the call's
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("run it as a script (python benchmarks/peak_memory.py): Triton's interpreter must be on")
     for shape_name in args.shapes:
         for mode_name in args.mode or ["fwd"]:
             mode = MODES[mode_name]
             inputs = make_inputs(BenchShape.parse(shape_name), mode, "cpu", seed=0)
-            call, why = call_for("helion", inputs, mode)
-            if call is None:
-                print(f"{shape_name} {mode_name}: not run ({why})")
-                continue
             existing = [value for value in tree_flatten(inputs.kwargs)[0] if isinstance(value, torch.Tensor)]
-            if inputs.do is not None:
-                existing.append(inputs.do)
-            peak = peak_bytes(call, existing)
-            print(f"{shape_name} {mode_name}: helion peak {peak / MiB:.0f} MiB ({peak} bytes)", flush=True)
+            existing += [inputs.do] if inputs.do is not None else []
+            for backend in args.backend or ["helion"]:
+                call, why = call_of(backend, inputs, mode)
+                if call is None:
+                    print(f"{shape_name} {mode_name} {backend}: not counted ({why})")
+                    continue
+                peak = peak_bytes(call, existing)
+                print(f"{shape_name} {mode_name} {backend}: peak {peak / MiB:.0f} MiB ({peak} bytes)", flush=True)
     return 0
 
 

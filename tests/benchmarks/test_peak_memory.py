@@ -29,6 +29,16 @@ def test_inputs_written_in_place_do_not_count():
     assert peak_memory.peak_bytes(lambda: buffer.add_(1.0), [buffer]) == 0
 
 
+def test_the_script_refuses_to_count_without_tritons_interpreter(monkeypatch, capsys):
+    """Triton's kernels take CPU tensors only when interpreted, which must be chosen before Triton is
+    imported: as a module (here) nothing switches it on, and `main` says so rather than count wrongly."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        peak_memory.main(["B1_T64_H1_D64"])
+    assert stopped.value.code == 2
+    assert "Triton's interpreter must be on" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("l2norm", [True, False])
 def test_the_helion_forward_at_inference_holds_one_stage_at_a_time(monkeypatch, l2norm):
     """The peak is the larger of the solve's and the state pass's working sets, nothing more: allocating

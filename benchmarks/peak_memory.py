@@ -9,15 +9,16 @@ host code alone: which tensors it allocates, in what order, and when the last re
 the bench's own call (`kda.bench.runner.call_for`: the public `chunk_kda`, FLA's for ``baseline:fla``, and
 in a training mode the backward) runs on the CPU with every kernel launch replaced by nothing (the helion
 backend's `runtime.launch`; every Triton kernel, FLA's and the triton backend's, run through Triton's
-interpreter so that CPU tensors are taken), and each storage any operation creates is counted from its
+interpreter so that CPU tensors are taken; the tilelang backend's compiled kernels, and its checks for a
+Hopper GPU), and each storage any operation creates is counted from its
 creation until it is freed (a `TorchDispatchMode` sees every operation, factories included; a finalizer
 on the storage sees it go). Storages that exist before the call (the inputs) do not count, as in the
 bench. The CUDA allocator rounds a block up to 512 bytes, well under 1 MiB at a bench shape.
 
-Checked against the H200's bench figures (`benchmarks/results/nvidia-h200/`): FLA's forward and training
-and the triton backend's, and the helion forward as it allocated every intermediate up front, come out
-to the MiB (`docs/design.md`, "The helion backend"). Run it as a script: it switches Triton's interpreter
-on before Triton is imported.
+Checked against the H200's bench figures (`benchmarks/results/nvidia-h200/`): FLA's forward and training,
+the triton backend's, the tilelang backend's forward and its training at two shapes, and the helion
+forward as it allocated every intermediate up front come out to the MiB (`docs/design.md`, "The helion
+backend"). Run it as a script: it switches Triton's interpreter on before Triton is imported.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if __name__ == "__main__":  # before Triton is imported: its kernels become inte
     os.environ["KDA_VERIFY"] = "off"  # no verification before the call: the verifier's memory is not the call's
 
 import argparse
+import collections
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -41,13 +43,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from kda.backends.base import Verdict
 from kda.backends.helion import runtime
 from kda.bench import runner
 from kda.bench.runner import call_for
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
 MiB = 2**20
-BACKENDS = ["helion", "triton", "baseline:fla"]  # those whose every launch `launches_skipped` catches
+BACKENDS = ["helion", "triton", "tilelang", "baseline:fla"]  # those whose every launch `launches_skipped` catches
 
 
 class LiveStorages(TorchDispatchMode):
@@ -58,6 +61,7 @@ class LiveStorages(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.seen: set[int] = set()  # data pointers of counted storages (and of the ones that existed before)
+        self.sizes: dict[int, int] = {}  # the live counted storages' bytes, by data pointer
 
     def existing(self, tensors: list[torch.Tensor]) -> None:
         """Storages made before the call: never counted."""
@@ -76,6 +80,7 @@ class LiveStorages(TorchDispatchMode):
         if pointer in self.seen or size == 0:
             return
         self.seen.add(pointer)
+        self.sizes[pointer] = size
         self.live += size
         self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._freed, pointer, size)
@@ -83,6 +88,16 @@ class LiveStorages(TorchDispatchMode):
     def _freed(self, pointer: int, size: int) -> None:
         self.live -= size
         self.seen.discard(pointer)
+        self.sizes.pop(pointer, None)
+
+
+def tilelang_usable() -> bool:
+    """Whether the tilelang backend's modules import here (TileLang installed), so its calls can be counted."""
+    try:
+        import kda.backends.tilelang.kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @contextmanager
@@ -100,6 +115,22 @@ def launches_skipped() -> Iterator[None]:
     runtime.launch = nothing  # type: ignore[assignment]
     jit.KernelInterface.__getitem__ = lambda self, grid: nothing  # type: ignore[method-assign]
     interpreter.InterpretedFunction.run = nothing  # type: ignore[method-assign]
+    if tilelang_usable():  # its kernels compiled for nothing: each stage's kernel does nothing
+        from kda.backends import tilelang as tilelang_backend
+        from kda.backends.tilelang import kernels
+
+        def stubs(spec: Any) -> dict[str, Any]:
+            return collections.defaultdict(lambda: nothing)
+
+        def yes(*args: Any) -> Verdict:
+            return Verdict.yes("counting its host code's memory; no kernel runs")
+
+        backend_class = tilelang_backend.TileLangBackend
+        saved += [(kernels, "compile_all"), (backend_class, "available"), (backend_class, "supports")]
+        originals += [kernels.compile_all, backend_class.available, backend_class.supports]
+        kernels.compile_all = stubs  # type: ignore[assignment]
+        backend_class.available = yes  # type: ignore[method-assign]
+        backend_class.supports = yes  # type: ignore[method-assign]
     try:
         yield
     finally:

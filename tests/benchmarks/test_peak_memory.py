@@ -73,3 +73,63 @@ def test_the_helion_forward_at_inference_holds_one_stage_at_a_time(monkeypatch, 
     state = common + bf16 * NT * H * K * V + ht
     small = 4096  # the chunk tables, A_log's zeros, the l2 norms' rstd
     assert max(solve, state) <= peak <= max(solve, state) + small, (peak, solve, state)
+
+
+def _training_inputs(K: int, V: int):
+    """A ragged training call (269 tokens: its chunk-major buffers differ in size from its token-major ones),
+    K != V and raw rows, so that an input gradient's size is its own among the call's buffers."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, T, H = 1, 4 * 64 + 13, 2
+    q, k, v = (torch.randn(B, T, H, D, generator=generator, dtype=torch.bfloat16) for D in (K, K, V))
+    g = -torch.rand(B, T, H, K, generator=generator).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, generator=generator).to(torch.bfloat16)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    do = torch.randn(B, T, H, V, generator=generator, dtype=torch.bfloat16)
+    gradient_bytes = {"dg": B * T * H * K * 4, "dq": B * T * H * K * 2}  # fp32 dg; dq and dk in q's dtype
+    return leaves, do, gradient_bytes
+
+
+@pytest.mark.parametrize("backend", ["helion", "tilelang"])
+def test_the_backward_makes_the_input_gradients_after_chunk_backward(monkeypatch, backend):
+    """``chunk_backward``'s working set is the backward's peak; the input gradients are made after it, so
+    none of their buffers is alive while it runs (they were made up front before)."""
+    pytest.importorskip(backend, reason=f"{backend} is not installed (extra `{backend}`)")
+    import kda
+
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    monkeypatch.setenv("KDA_VERIFY", "off")
+    K, V = 128, 64
+    leaves, do, gradient_bytes = _training_inputs(K, V)
+    counter = peak_memory.LiveStorages()
+    counter.existing([*leaves, do])
+    alive_then: list[set[int]] = []
+
+    def note_chunk_backward() -> None:
+        alive_then.append(set(counter.sizes.values()))
+
+    with peak_memory.launches_skipped():  # which puts back what it replaces, these two replacements included
+        if backend == "helion":
+            from kda.backends.helion import runtime
+
+            def launch(fn, *args):
+                if fn.__name__ == "chunk_backward_kernel":
+                    note_chunk_backward()
+
+            runtime.launch = launch
+        else:
+            import collections
+
+            from kda.backends.tilelang import kernels
+
+            def compiled(spec):
+                stages = collections.defaultdict(lambda: lambda *args: None)
+                stages["chunk_backward"] = lambda *args: note_chunk_backward()
+                return stages
+
+            kernels.compile_all = compiled
+        with counter:
+            o, _ = kda.chunk_kda(*leaves, backend=backend, chunk_size=64)
+            grads = torch.autograd.grad(o, leaves, do)
+            del o, grads
+    assert len(alive_then) == 1
+    assert not alive_then[0] & set(gradient_bytes.values()), (alive_then[0], gradient_bytes)

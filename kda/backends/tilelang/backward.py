@@ -38,11 +38,10 @@ def tilelang_backward(
     starts, ends = layout.chunk_starts, layout.chunk_seq_ends
 
     do = do.reshape(tokens, HV, V).to(spec.dtype).contiguous()
+    # Each buffer is made when its stage comes and dropped once read: the gradients of the inputs after
+    # `chunk_backward`, whose working set (every saved tensor, dh and dv_new, its outputs) is the backward's
+    # peak (`benchmarks/peak_memory.py`)
     dv = torch.empty(tokens, HV, V, dtype=inputs.v.dtype, device=device)
-    dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
-    dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
-    dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
-    dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
     dA_rows = torch.zeros(NT, HV, C, dtype=f32, device=device)
     dh0 = torch.empty(spec.state_shape, dtype=f32, device=device) if inputs.initial_state is not None else None
 
@@ -69,7 +68,11 @@ def tilelang_backward(
             do, inputs.v.reshape(tokens, HV, V).contiguous(), q, k, saved["G"], saved["beta"], saved["T"], saved["M"],
             saved["h"], dh, saved["v_new"], dv_new, starts, ends, dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
         )  # fmt: skip
+        del dh, dv_new
         compiled["score_backward"](q, k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
+        del dP_qk, dP_kk
+        dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
+        dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
         A_log = (
             inputs.A_log.float().contiguous() if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
         )
@@ -78,11 +81,17 @@ def tilelang_backward(
             inputs.g.reshape(tokens, HV, K).contiguous(), inputs.beta.reshape(tokens, HV).contiguous(), A_log,
             dt_bias, dG_c, dbeta_c, starts, ends, dg32, dbeta, dA_rows,
         )  # fmt: skip
+        del dG_c, dbeta_c
+        dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
+        dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
         for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
             compiled["qk_tail"](x_hat, rstd if rstd is not None else placeholder, dx_c, starts, ends, dx)
     else:  # every sequence empty: nothing but the state's own gradient
-        for grad in (dv, dg32, dbeta, dq, dk):
-            grad.zero_()
+        dg32 = torch.zeros(tokens, HV, K, dtype=f32, device=device)
+        dbeta = torch.zeros(tokens, HV, dtype=inputs.beta.dtype, device=device)
+        dq = torch.zeros(tokens, H, K, dtype=inputs.q.dtype, device=device)
+        dk = torch.zeros(tokens, H, K, dtype=inputs.k.dtype, device=device)
+        dv.zero_()
         if dh0 is not None:
             dh0.copy_(dfinal_state if dfinal_state is not None else torch.zeros_like(dh0))
 

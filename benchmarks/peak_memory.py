@@ -60,13 +60,12 @@ class LiveStorages(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self.seen: set[int] = set()  # data pointers of counted storages (and of the ones that existed before)
+        self.before: set[int] = set()  # data pointers of the storages made before the call
         self.sizes: dict[int, int] = {}  # the live counted storages' bytes, by data pointer
 
     def existing(self, tensors: list[torch.Tensor]) -> None:
         """Storages made before the call: never counted."""
-        for tensor in tensors:
-            self.seen.add(tensor.untyped_storage().data_ptr())
+        self.before.update(tensor.untyped_storage().data_ptr() for tensor in tensors)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
@@ -77,9 +76,8 @@ class LiveStorages(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         pointer, size = storage.data_ptr(), storage.nbytes()
-        if pointer in self.seen or size == 0:
+        if pointer in self.sizes or pointer in self.before or size == 0:
             return
-        self.seen.add(pointer)
         self.sizes[pointer] = size
         self.live += size
         self.peak = max(self.peak, self.live)
@@ -87,7 +85,6 @@ class LiveStorages(TorchDispatchMode):
 
     def _freed(self, pointer: int, size: int) -> None:
         self.live -= size
-        self.seen.discard(pointer)
         self.sizes.pop(pointer, None)
 
 

@@ -4,14 +4,15 @@ ones: does storing fp32 intermediates as halves pay on the GPU?
     python benchmarks/helion_halves.py B4_T2048_H16_D128 B1_T8192_H96_D128      # GPU: check, then time
     python benchmarks/helion_halves.py --resources B4_T2048_H16_D128            # CPU: their sm_90a code
 
-When training, the helion backend stores ``w``, ``k_g``, ``q_e`` and ``A_qk`` in fp32 and multiplies them in
-TF32x3, which Triton lowers with three operand copies in registers: compiled for sm_90a, the state pass
-spills 580 B to 2.5 KB a thread under every launch setting, the backward's reverse pass 1.5 to 3.2 KB
-(`docs/design.md`, "The helion backend"). The variants here read those tensors as the forward would store
-them instead, bf16 halves ``[NT, HV, 2, C, ...]`` (``hi = bf16(x)``, ``lo = bf16(x - hi)``: the bytes of
-fp32), split the fp32 values they make in registers (``S``, ``v_new``, ``dS``, ``dv_new``) the same way, and
-sum the products above 2^-16 on bf16 tensor cores, so their operands can come from shared memory (``do``
-is 16-bit already: one half). Per sequence ``n`` and value head ``hv``, the shipped kernels' math
+When training, the helion backend keeps ``w`` and ``A_qk`` in fp32, makes ``k_g`` and ``q_e`` in fp32 from
+q, k and ``G``, and multiplies them in TF32x3, which Triton lowers with three operand copies in registers:
+compiled for sm_90a, the state pass spills 580 B to 2.5 KB a thread under every launch setting, the
+backward's reverse pass 1.5 to 3.2 KB (`docs/design.md`, "The helion backend"). The variants here read
+those tensors as bf16 halves ``[NT, HV, 2, C, ...]`` instead (``hi = bf16(x)``, ``lo = bf16(x - hi)``: the
+bytes of fp32; ``k_g`` and ``q_e`` given so too, where a backend on halves would split them as it makes
+them), split the fp32 values they make in registers (``S``, ``v_new``, ``dS``, ``dv_new``) the same way,
+and sum the products above 2^-16 on bf16 tensor cores, so their operands can come from shared memory
+(``do`` is 16-bit already: one half). Per sequence ``n`` and value head ``hv``, the shipped kernels' math
 (`kda/backends/helion/state.py`, `state_backward.py`), each product ``a b`` as ``a_lo b_hi + a_hi b_lo +
 a_hi b_hi``::
 
@@ -150,10 +151,22 @@ def halves(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, (x - hi.float()).to(torch.bfloat16)], dim=-3)
 
 
+def by_chunk(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, C: int) -> torch.Tensor:
+    """Token-major rows ``[tokens, HV, D]`` as chunk-major fp32 ``[NT, HV, C, D]``, rows past a sequence's end
+    zero (the backend's layout)."""
+    rows = starts[:, None].long() + torch.arange(C, device=x.device)  # [NT, C]
+    valid = rows < ends[:, None]
+    picked = x[rows.clamp(max=x.shape[0] - 1)].float() * valid[:, :, None, None]  # [NT, C, HV, D]
+    return picked.transpose(1, 2).contiguous()
+
+
 def inputs(B: int, T: int, HV: int, K: int, V: int, C: int, device: Any, seed: int) -> dict[str, torch.Tensor]:
-    """Both training passes' inputs at realistic sizes: rows of ``w``, ``k_g`` and ``q_e`` about unit length,
-    a causal ``A_qk``, the safe gate's in-chunk decay sums (``G`` <= 0, falling along the chunk), ``u`` and
-    ``do`` of unit scale, and the chunk table of ``B`` sequences of ``T`` tokens."""
+    """Both training passes' inputs at realistic sizes: rows of ``w``, ``q`` and ``k`` about unit length (q
+    and k token-major in bf16, as a call gives them; no l2norm, one value head a q/k head), a causal
+    ``A_qk``, the safe gate's in-chunk decay sums (``G`` <= 0, falling along the chunk), ``u`` and ``do`` of
+    unit scale, and the chunk table of ``B`` sequences of ``T`` tokens. ``q_e = q exp(G)`` and ``k_g = k
+    exp(G_last - G)``, which the shipped passes make from ``q``, ``k`` and ``G``, are here in fp32 for the
+    variants (as halves) and the tests' recurrences."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     NT = B * -(-T // C)
 
@@ -164,10 +177,10 @@ def inputs(B: int, T: int, HV: int, K: int, V: int, C: int, device: Any, seed: i
     causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
     per_sequence = NT // B
     chunk = torch.arange(NT, device=device)
-    return dict(
+    x = dict(
         w=normal(NT, HV, C, K) / K**0.5,
-        k_g=normal(NT, HV, C, K) / K**0.5,
-        q_e=normal(NT, HV, C, K) / K**0.5,
+        q=(normal(B * T, HV, K) / K**0.5).to(torch.bfloat16),
+        k=(normal(B * T, HV, K) / K**0.5).to(torch.bfloat16),
         A_qk=torch.where(causal, normal(NT, HV, C, C) / C**0.5, 0.0),
         u=normal(NT, HV, C, V),
         do=normal(B * T, HV, V).to(torch.bfloat16),
@@ -176,11 +189,19 @@ def inputs(B: int, T: int, HV: int, K: int, V: int, C: int, device: Any, seed: i
         chunk_starts=((chunk // per_sequence) * T + (chunk % per_sequence) * C).to(torch.int32),
         chunk_seq_ends=((chunk // per_sequence + 1) * T).to(torch.int32),
     )
+    G = x["G"]
+    x["q_e"] = by_chunk(x["q"], x["chunk_starts"], x["chunk_seq_ends"], C) * G.exp()
+    x["k_g"] = by_chunk(x["k"], x["chunk_starts"], x["chunk_seq_ends"], C) * (G[:, :, -1:] - G).exp()
+    return x
 
 
 def shipped_args(x: dict[str, torch.Tensor], u: torch.Tensor, h: torch.Tensor, C: int) -> tuple:
-    """The shipped state kernel's arguments (`kda/backends/helion/state.py`), no initial or final state."""
-    return (x["w"], u, x["k_g"], x["G"], x["chunk_bounds"], h, x["G"], x["G"], C, False, False, False)
+    """The shipped state kernel's arguments (`kda/backends/helion/state.py`) as training gives them (``k_g``
+    made from k and ``G``), no initial or final state."""
+    return (
+        x["w"], u, x["G"], x["k"], x["G"], x["G"], x["chunk_starts"], x["chunk_seq_ends"], x["chunk_bounds"], h,
+        x["G"], x["G"], 1, C, False, False, False, False, False,
+    )  # fmt: skip
 
 
 def halves_args(x: dict[str, torch.Tensor], u: torch.Tensor, h: torch.Tensor, C: int) -> tuple:
@@ -188,10 +209,11 @@ def halves_args(x: dict[str, torch.Tensor], u: torch.Tensor, h: torch.Tensor, C:
 
 
 def shipped_backward_args(x: dict[str, torch.Tensor], dh: torch.Tensor, dv_new: torch.Tensor, C: int) -> tuple:
-    """The shipped reverse pass's arguments (`kda/backends/helion/state_backward.py`), no state gradients."""
+    """The shipped reverse pass's arguments (`kda/backends/helion/state_backward.py`), no state gradients;
+    scale 1."""
     return (
-        x["do"], x["q_e"], x["w"], x["k_g"], x["A_qk"], x["G"], x["chunk_starts"], x["chunk_seq_ends"],
-        x["chunk_bounds"], x["G"], dh, dv_new, x["G"], C, False, False, False,
+        x["do"], x["q"], x["k"], x["G"], x["G"], x["w"], x["A_qk"], x["G"], x["chunk_starts"],
+        x["chunk_seq_ends"], x["chunk_bounds"], x["G"], dh, dv_new, x["G"], 1.0, 1, C, False, False, False, False,
     )  # fmt: skip
 
 

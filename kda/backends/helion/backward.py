@@ -1,5 +1,6 @@
 """The backward pass: six launches (`state_backward`, `chunk_backward`, `score_backward`, `gate_tail`,
-`qk_tail` for q and for k), from the forward's saved chunk-major intermediates (all fp32 when training).
+`qk_tail` for q and for k), from q and k as given (with each row's l2norm scale) and the forward's saved
+chunk-major intermediates (all fp32 when training).
 
 Scratch, chunk-major fp32: ``dh [NT, HV, K, V]``, ``dv_new [NT, HV, C, V]``, ``dq``/``dk``/``dG`` per value
 head ``[NT, HV, C, K]``, ``dP_qk``/``dP_kk [NT, HV, C, C]``, ``dbeta [NT, HV, C]``. The sums over tokens
@@ -30,17 +31,21 @@ def helion_backward(
 
     G = saved["G"]
     placeholder = G
+    L2 = spec.use_qk_l2norm_in_kernel
+    q, k = saved["q"], saved["k"]  # as given: each kernel scales a row by its r (`rstd_*`) with L2
+    rstd_q = saved["rstd_q"] if L2 else saved["beta"]  # without the l2norm, a placeholder no kernel reads
+    rstd_k = saved["rstd_k"] if L2 else saved["beta"]
     do = do.reshape(tokens, HV, V)
     dh = torch.empty(NT, HV, K, V, dtype=f32, device=device)
     dv_new = torch.empty(NT, HV, C, V, dtype=f32, device=device)
     dh0 = torch.empty(spec.state_shape, dtype=f32, device=device) if inputs.initial_state is not None else None
     run(
         state_backward.state_backward_kernel,
-        do, saved["q_e"], saved["w"], saved["k_g"], saved["A_qk"], G,
+        do, q, k, rstd_q, rstd_k, saved["w"], saved["A_qk"], G,
         layout.chunk_starts, layout.chunk_seq_ends, layout.chunk_bounds,
         dfinal_state if dfinal_state is not None else placeholder,
         dh, dv_new, dh0 if dh0 is not None else placeholder,
-        C, dfinal_state is not None, dh0 is not None, spec.state_v_first,
+        spec.scale, plan.group, C, dfinal_state is not None, dh0 is not None, spec.state_v_first, L2,
     )  # fmt: skip
 
     # Each buffer is made when its stage comes and dropped once read: the gradients of the inputs after
@@ -52,17 +57,17 @@ def helion_backward(
         dq_c, dk_c, dG_c = (torch.empty(NT, HV, C, K, dtype=f32, device=device) for _ in range(3))
         dP_qk, dP_kk = (torch.empty(NT, HV, C, C, dtype=f32, device=device) for _ in range(2))
         dbeta_c = torch.empty(NT, HV, C, dtype=f32, device=device)
-        q, k = saved["q"], saved["k"]
         run(
             chunk_backward.chunk_backward_kernel,
-            do, inputs.v.reshape(tokens, HV, V), k, G, saved["beta"], saved["T"], saved["M"], saved["h"], dh,
-            saved["v_new"], dv_new, saved["q_e"], saved["k_g"], layout.chunk_starts, layout.chunk_seq_ends,
-            dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c, spec.scale, plan.group, C,
+            do, inputs.v.reshape(tokens, HV, V), q, k, rstd_q, rstd_k, G, saved["beta"], saved["T"], saved["M"],
+            saved["h"], dh, saved["v_new"], dv_new, layout.chunk_starts, layout.chunk_seq_ends,
+            dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c, spec.scale, plan.group, C, L2,
         )  # fmt: skip
         del dh, dv_new
         run(
             score_backward.score_backward_kernel,
-            q, k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c, plan.group, C,
+            q, k, rstd_q, rstd_k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c,
+            plan.group, C, L2,
         )  # fmt: skip
         del dP_qk, dP_kk
         dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
@@ -77,14 +82,12 @@ def helion_backward(
             C, forward.GATES[spec.gate_mode], inputs.dt_bias is not None, spec.use_beta_sigmoid_in_kernel,
         )  # fmt: skip
         del dG_c, dbeta_c
-        L2 = spec.use_qk_l2norm_in_kernel
         dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
         dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
-        for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
+        for x, rstd, dx_c, dx in ((q, rstd_q, dq_c, dq), (k, rstd_k, dk_c, dk)):
             run(
                 tails.qk_tail_kernel,
-                x_hat, rstd if rstd is not None else placeholder, dx_c, layout.chunk_starts, layout.chunk_seq_ends,
-                dx, plan.group, C, L2,
+                x, rstd, dx_c, layout.chunk_starts, layout.chunk_seq_ends, dx, plan.group, C, L2,
             )  # fmt: skip
     else:  # every sequence empty: nothing but the state's own gradient
         dg32 = torch.zeros(tokens, HV, K, dtype=f32, device=device)

@@ -18,7 +18,8 @@ then, on the normalized rows and the cumulative log decay, everything but the sc
 (``G_last`` is the sum of every row's log decay, so its gradient reaches them all through the reverse
 cumulative sum of the tails.) The score matrices' gradients go to `score_backward` as
 ``dP_qk = scale dA_qk`` and ``dP_kk = diag(beta) dA_kk``, the gradients of the unscaled sums
-``P[i, j] = sum_c a_i b_j exp(G_i - G_j)``. ``dq``, ``dk``, ``dG`` (fp32, chunk-major, per value head) are
+``P[i, j] = sum_c a_i b_j exp(G_i - G_j)``. ``q_e`` and ``k_g`` are made here from the rows of ``q`` and
+``k`` (times their l2norm scales with L2) and ``G``, as the forward made them. ``dq``, ``dk``, ``dG`` (fp32, chunk-major, per value head) are
 written here and added to there.
 
 Grid ``(NT, HV)``; ``K`` and ``V`` in config-sized blocks (``dw`` for all of ``K`` is needed for ``dT``
@@ -34,7 +35,10 @@ import torch
 def chunk_backward_kernel(
     do: torch.Tensor,  # [tokens, HV, V]
     v: torch.Tensor,  # [tokens, HV, V]
-    k: torch.Tensor,  # [tokens, H, K] (normalized when the call asks for it)
+    q: torch.Tensor,  # [tokens, H, K] as given
+    k: torch.Tensor,  # [tokens, H, K] as given
+    rstd_q: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
+    rstd_k: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
     G: torch.Tensor,  # [NT, HV, C, K] fp32
     beta: torch.Tensor,  # [NT, HV, C] fp32
     T: torch.Tensor,  # [NT, HV, C, C] fp32
@@ -43,8 +47,6 @@ def chunk_backward_kernel(
     dh: torch.Tensor,  # [NT, HV, K, V] fp32
     v_new: torch.Tensor,  # [NT, HV, C, V]
     dv_new: torch.Tensor,  # [NT, HV, C, V] fp32
-    q_e: torch.Tensor,  # [NT, HV, C, K]
-    k_g: torch.Tensor,  # [NT, HV, C, K]
     chunk_starts: torch.Tensor,  # [NT] int32
     chunk_seq_ends: torch.Tensor,  # [NT] int32
     dv: torch.Tensor,  # [tokens, HV, V] out
@@ -57,6 +59,7 @@ def chunk_backward_kernel(
     scale: float,
     group: int,
     C: hl.constexpr,
+    L2: hl.constexpr,
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -71,6 +74,9 @@ def chunk_backward_kernel(
         valid = rows < chunk_seq_ends[c]
         T_c = T[c, hv, :, :]
         b = beta[c, hv, :]
+        if L2:  # the rows' l2norm scales
+            r_q = hl.load(rstd_q, [rows, head], extra_mask=valid)  # [C]
+            r_k = hl.load(rstd_k, [rows, head], extra_mask=valid)
         dA = hl.zeros([C, C], dtype=torch.float32)
         dT = hl.zeros([C, C], dtype=torch.float32)
         db = hl.zeros([C], dtype=torch.float32)
@@ -100,17 +106,22 @@ def chunk_backward_kernel(
                 dkg = hl.dot(vn, dh_kv.transpose(0, 1), acc=dkg)
                 dgl = dgl + torch.sum(dh_kv * h_kv, dim=1)
             dw = -dw
+            q_i = hl.load(q, [rows, head, tile_k], extra_mask=valid[:, None]).to(torch.float32)
             k_i = hl.load(k, [rows, head, tile_k], extra_mask=valid[:, None]).to(torch.float32)
+            if L2:
+                q_i = q_i * r_q[:, None]
+                k_i = k_i * r_k[:, None]
             G_i = G[c, hv, :, tile_k]
             G_last = G[c, hv, C - 1, tile_k]
             e_G = torch.exp(G_i)
+            to_last = torch.exp(G_last[None, :] - G_i)
             X = b[:, None] * k_i * e_G
             dT = hl.dot(dw, X.transpose(0, 1), acc=dT)
             dX = hl.dot(T_c.transpose(0, 1), dw)
-            qe = q_e[c, hv, :, tile_k].to(torch.float32)
-            kg = k_g[c, hv, :, tile_k].to(torch.float32)
+            qe = scale * q_i * e_G
+            kg = k_i * to_last
             dq_c[c, hv, :, tile_k] = scale * e_G * dqe
-            dk_c[c, hv, :, tile_k] = b[:, None] * e_G * dX + torch.exp(G_last[None, :] - G_i) * dkg
+            dk_c[c, hv, :, tile_k] = b[:, None] * e_G * dX + to_last * dkg
             last = torch.sum(kg * dkg, dim=0) + torch.exp(G_last) * dgl  # [BK]
             dG = dX * X + qe * dqe - kg * dkg
             dG_c[c, hv, :, tile_k] = dG + torch.where((idx == C - 1)[:, None], last[None, :], 0.0)

@@ -5,9 +5,16 @@ Inputs are read token-major where the caller put them (``tokens = B*T``, or ``T`
 ``[tokens, H, K]``, v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
 Intermediates are chunk-major (``[NT, HV, C, ...]``, a tail chunk's rows past its sequence zero), so each
 later stage reads a chunk as one dense tile: ``G [NT, HV, C, K]``, ``M`` and ``T [NT, HV, C, C]`` in
-fp32; ``q_e``, ``w``, ``k_g [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and
-``h [NT, HV, K, V]`` in the storage dtype (the inputs' dtype at inference, fp32 when training or for fp32
-inputs).
+fp32; ``w [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and ``h [NT, HV, K,
+V]`` in the storage dtype (the inputs' dtype at inference, fp32 when training or for fp32 inputs); with
+the l2norm, each row's scale ``r`` (``rstd_q``, ``rstd_k [tokens, H]`` fp32). The normalized rows (``r
+x``) are never stored: each stage scales the rows it loads. ``q_e = scale q exp(G)`` and ``k_g = k
+exp(G_last - G)`` (``[NT, HV, C, K]``) are stored at inference only, where they are 16-bit and freed once
+read; in training, where they would be fp32 and kept for the backward (two ``[tokens, HV, K]`` fp32
+tensors of the call's peak), each kernel that multiplies by them makes them from q, k and ``G``. At
+inference the state pass reads ``k_g`` rather than make it: made there, its ``[C, K]`` rows of ``k`` and
+``G`` spill 232 bytes a thread at the H200's configuration (compiled for sm_90a,
+`benchmarks/helion_resources.py`), where the pass reading it spills none.
 """
 
 from __future__ import annotations
@@ -83,9 +90,8 @@ def make_plan(inputs: KDAInputs, spec: KDASpec) -> Plan:
 def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
     """The six stages in order. Training keeps every intermediate for the backward. Inference lets each
     go as soon as no later stage reads it and allocates ``w``, ``k_g``, ``h`` and ``o`` only when their
-    stage comes, so its peak is the state pass's working set: about 8.5 ``[tokens, HV, K]`` bf16 tensors
-    at K = V = 128 and chunk 64, where allocating everything up front held 12.5 (measured on the H200:
-    2415 MiB at B1_T8192_H96_D128 against FLA's 2319; counted by ``benchmarks/peak_memory.py``)."""
+    stage comes, so its peak is the state pass's working set (``G``, ``A_qk``, ``q_e``, ``w``, ``k_g``,
+    ``u``, ``h``; counted by ``benchmarks/peak_memory.py``)."""
     plan = make_plan(inputs, spec)
     layout, store, device = plan.layout, plan.store, spec.device
     B, T, H, HV, K, V, C = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.chunk_size
@@ -102,27 +108,35 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
 
     # The intermediates by name. Stages read them from here (no other reference is kept), so that at
     # inference `release` frees them; training hands them all to the backward.
-    kept: dict[str, torch.Tensor | None] = dict(
-        q=inputs.q.reshape(tokens, H, K), k=inputs.k.reshape(tokens, H, K), rstd_q=None, rstd_k=None
-    )
+    q, k = inputs.q.reshape(tokens, H, K), inputs.k.reshape(tokens, H, K)
+    L2 = spec.use_qk_l2norm_in_kernel
+    kept: dict[str, torch.Tensor | None] = dict(q=q, k=k, rstd_q=None, rstd_k=None)
 
     def release(*names: str) -> None:
         if not training:
             for name in names:
                 del kept[name]
 
-    if spec.use_qk_l2norm_in_kernel:
-        raw = kept["q"], kept["k"]
-        kept.update(q=empty(tokens, H, K), k=empty(tokens, H, K))
+    if L2:
         kept.update(rstd_q=empty(tokens, H, dtype=f32), rstd_k=empty(tokens, H, dtype=f32))
         if tokens > 0:
-            run(normalize.normalize_kernel, raw[0], kept["q"], kept["rstd_q"])
-            run(normalize.normalize_kernel, raw[1], kept["k"], kept["rstd_k"])
-        del raw
+            run(normalize.normalize_kernel, q, kept["rstd_q"])
+            run(normalize.normalize_kernel, k, kept["rstd_k"])
 
     kept.update(G=empty(NT, HV, C, K, dtype=f32), beta=empty(NT, HV, C, dtype=f32))
-    kept.update(M=empty(NT, HV, C, C, dtype=f32), A_qk=empty(NT, HV, C, C), q_e=empty(NT, HV, C, K))
-    G = kept["G"]  # read by every stage up to the state pass; also the placeholder of absent optional tensors
+    kept.update(M=empty(NT, HV, C, C, dtype=f32), A_qk=empty(NT, HV, C, C))
+    G = kept["G"]  # read by every stage; also the placeholder of absent optional tensors
+    stored = not training  # q_e and k_g stored (inference), else made where they are read
+    q_e = empty(NT, HV, C, K) if stored else G
+
+    def row_scales(name: str) -> torch.Tensor:
+        """The l2norm's scales `name` where a stage reads them; else a placeholder it does not read (A_qk,
+        which lives to the end: a placeholder keeps its tensor alive)."""
+        scales = kept.get(name)
+        scales = scales if scales is not None else kept["A_qk"]
+        assert scales is not None
+        return scales
+
     if chunks:
         A_log = inputs.A_log if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
         run(
@@ -135,40 +149,45 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
         )  # fmt: skip
         run(
             scores.scores_kernel,
-            kept["q"], kept["k"], G, layout.chunk_starts, layout.chunk_seq_ends, kept["M"], kept["A_qk"],
-            kept["q_e"], spec.scale, plan.group, C,
+            q, k, row_scales("rstd_q"), row_scales("rstd_k"), G, layout.chunk_starts, layout.chunk_seq_ends,
+            kept["M"], kept["A_qk"], q_e, spec.scale, plan.group, C, L2, stored,
         )  # fmt: skip
-    release("q", "rstd_q")
+    release("rstd_q")  # at inference the output reads the stored q_e; so does the state pass k_g, below
 
-    kept.update(T=empty(NT, HV, C, C, dtype=f32) if training else None)
-    kept.update(w=empty(NT, HV, C, K), k_g=empty(NT, HV, C, K))
+    kept.update(T=empty(NT, HV, C, C, dtype=f32) if training else None, w=empty(NT, HV, C, K))
+    k_g = empty(NT, HV, C, K) if stored else G
     u = empty(NT, HV, C, V)  # u, then v_new (the state pass writes over it)
     if chunks:
         run(
             solve.solve_kernel,
-            kept["k"], inputs.v.reshape(tokens, HV, V), G, kept["beta"], layout.chunk_starts,
-            layout.chunk_seq_ends, kept["M"], kept["T"] if training else kept["M"], kept["w"], u, kept["k_g"],
-            plan.group, C, C.bit_length() - 1, training,
+            k, row_scales("rstd_k"), inputs.v.reshape(tokens, HV, V), G, kept["beta"], layout.chunk_starts,
+            layout.chunk_seq_ends, kept["M"], kept["T"] if training else kept["M"], kept["w"], u, k_g,
+            plan.group, C, C.bit_length() - 1, training, L2, stored,
         )  # fmt: skip
-    release("k", "rstd_k", "beta", "M", "T")
+    release("beta", "M", "T", "rstd_k")
 
     h = empty(NT, HV, K, V)
     ht = final_state_buffer(spec, out)
     h0 = inputs.initial_state
     run(
         state.state_kernel,
-        kept["w"], u, kept["k_g"], G, layout.chunk_bounds, h,
+        kept["w"], u, k_g, k, row_scales("rstd_k"), G, layout.chunk_starts, layout.chunk_seq_ends,
+        layout.chunk_bounds, h,
         h0 if h0 is not None else G,
         ht if ht is not None else G,
-        C, h0 is not None, ht is not None, spec.state_v_first,
+        plan.group, C, h0 is not None, ht is not None, spec.state_v_first, L2, stored,
     )  # fmt: skip
+    del k_g
+    G_out = q_e if stored else G  # the output reads G only to make q_e (a placeholder when q_e is stored)
     del G
-    release("w", "k_g", "G")
+    release("w", "G")
 
     o = output_buffer(spec, out)
     if chunks:
-        ends = layout.chunk_seq_ends
-        outputs = (kept["q_e"], h, kept["A_qk"], u, layout.chunk_starts, ends, o.view(tokens, HV, V), C)
+        outputs = (
+            q_e, q, row_scales("rstd_q"), G_out, h, kept["A_qk"], u, layout.chunk_starts, layout.chunk_seq_ends,
+            o.view(tokens, HV, V), spec.scale, plan.group, C, L2, stored,
+        )  # fmt: skip
         runtime.launch(output.output_kernel, output_precision(plan.precision), outputs, plan.key)
 
     o, ht = deliver(o, ht, out)

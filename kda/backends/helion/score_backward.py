@@ -34,8 +34,10 @@ import torch
 
 
 def score_backward_kernel(
-    q: torch.Tensor,  # [tokens, H, K] (normalized when the call asks for it)
-    k: torch.Tensor,  # [tokens, H, K]
+    q: torch.Tensor,  # [tokens, H, K] as given
+    k: torch.Tensor,  # [tokens, H, K] as given
+    rstd_q: torch.Tensor,  # [tokens, H] fp32 with L2 (each row is used times its r), else a placeholder
+    rstd_k: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
     G: torch.Tensor,  # [NT, HV, C, K] fp32
     dP_qk: torch.Tensor,  # [NT, HV, C, C] fp32
     dP_kk: torch.Tensor,  # [NT, HV, C, C] fp32
@@ -46,6 +48,7 @@ def score_backward_kernel(
     dG_c: torch.Tensor,  # [NT, HV, C, K] fp32, added to
     group: int,
     C: hl.constexpr,
+    L2: hl.constexpr,
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -78,6 +81,11 @@ def score_backward_kernel(
         dPk_rows = torch.where(rows_causal & (cols[None, :] != tile_s.index[:, None]), dP_kk[c, hv, tile_s, :], 0.0)
         dPq_cols = torch.where(cols_causal, dP_qk[c, hv, :, tile_s], 0.0)  # [C, 16]
         dPk_cols = torch.where(cols_causal & (cols[:, None] != tile_s.index[None, :]), dP_kk[c, hv, :, tile_s], 0.0)
+        if L2:  # the rows' l2norm scales: the strip's, and the chunk's
+            rq_s = hl.load(rstd_q, [rows, head], extra_mask=row_ok)  # [16]
+            rk_s = hl.load(rstd_k, [rows, head], extra_mask=row_ok)
+            rq_all = hl.load(rstd_q, [start + cols, head], extra_mask=col_ok)  # [C]
+            rk_all = hl.load(rstd_k, [start + cols, head], extra_mask=col_ok)
         for tile_k in hl.tile(K):
             G_s = G[c, hv, tile_s, tile_k]  # [16, BK]
             G_first = G[c, hv, s, tile_k]  # [BK]
@@ -87,6 +95,11 @@ def score_backward_kernel(
             k_s = hl.load(k, [rows, head, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
             q_all = hl.load(q, [start + cols, head, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
             k_all = hl.load(k, [start + cols, head, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
+            if L2:
+                q_s = q_s * rq_s[:, None]
+                k_s = k_s * rk_s[:, None]
+                q_all = q_all * rq_all[:, None]
+                k_all = k_all * rk_all[:, None]
             # through the anchors: off the diagonal block, and on it when by product
             k_before = k_all * torch.exp(torch.where(before[:, None], G_first[None, :] - G_all, float("-inf")))
             into_rows = torch.exp(G_s - G_first[None, :])
@@ -106,6 +119,9 @@ def score_backward_kernel(
                     q_j = torch.where(j_ok, hl.load(q, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(
                         torch.float32
                     )
+                    if L2:
+                        k_j = k_j * hl.load(rstd_k, [start + j, head], extra_mask=j_ok)
+                        q_j = q_j * hl.load(rstd_q, [start + j, head], extra_mask=j_ok)
                     G_j = G[c, hv, j, tile_k]
                     e_col = torch.exp(torch.where((tile_s.index >= j)[:, None], G_s - G_j[None, :], float("-inf")))
                     da_q = da_q + dP_qk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col

@@ -1,11 +1,11 @@
 """Stage 2: the causal score matrices of each chunk, one strip of 16 rows per program.
 
 For one chunk of value head ``hv`` (q/k head ``h = hv // group``), with ``G`` from stage 1, ``q``, ``k``
-after the optional l2norm, and ``beta`` after its activation::
+after the optional l2norm (each row scaled by its ``r`` from stage 0 as it is loaded), and ``beta`` after
+its activation::
 
     M[i, j]    =        sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])             j < i  (A_kk = beta_i M)
     A_qk[i, j] = scale  sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])             j <= i
-    q_e[i]     = scale q_i exp(G_i)                                          (every exponent <= 0)
 
 Overflow. ``G`` falls without bound inside a chunk (pre-gated and softplus gates have no floor but
 LOG_DECAY_FLOOR per token), so ``exp(G_i - G_j)`` is never split over the whole chunk. For the strip of rows
@@ -23,7 +23,10 @@ instead, element by element on ``[16, 16, BK]`` tiles, with the exponent set to 
 before ``exp``. The choice is made per strip at run time (a branch on one scalar); on the H200 the exact
 block for every strip cost 70% of the forward.
 
-``M`` is stored in fp32 (stage 3 solves the inverse from it; the backward reads it for ``dbeta``); A_qk and ``q_e`` in the storage dtype.
+``M`` is stored in fp32 (stage 3 solves the inverse from it; the backward reads it for ``dbeta``), ``A_qk``
+in the storage dtype. At inference (``STORED``) so is ``q_e = scale q exp(G)`` (every exponent <= 0), for
+the output; in training it is not: the output and the backward make it from ``q`` and ``G`` as they load
+them (`kda/backends/helion/forward.py` says why).
 Each strip writes its 16 rows whole: the columns before ``a`` from the product, the diagonal block, and
 zeros after it, so the buffers need no clearing. Rows past the sequence's end read zeros and store zeros.
 
@@ -37,17 +40,21 @@ import torch
 
 
 def scores_kernel(
-    q: torch.Tensor,  # [tokens, H, K] (l2-normalized when the call asks for it)
-    k: torch.Tensor,  # [tokens, H, K]
+    q: torch.Tensor,  # [tokens, H, K] as given
+    k: torch.Tensor,  # [tokens, H, K] as given
+    rstd_q: torch.Tensor,  # [tokens, H] fp32 with L2 (stage 0's), else a placeholder
+    rstd_k: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
     G: torch.Tensor,  # [NT, HV, C, K] fp32
     chunk_starts: torch.Tensor,  # [NT] int32
     chunk_seq_ends: torch.Tensor,  # [NT] int32
     M: torch.Tensor,  # [NT, HV, C, C] fp32 out (strictly lower)
     A_qk: torch.Tensor,  # [NT, HV, C, C] out, storage dtype (lower, scaled)
-    q_e: torch.Tensor,  # [NT, HV, C, K] out, storage dtype
+    q_e: torch.Tensor,  # [NT, HV, C, K] out, storage dtype, with STORED (else a placeholder)
     scale: float,
     group: int,  # HV // H
     C: hl.constexpr,
+    L2: hl.constexpr,  # rows scaled by their l2norm's r as they are loaded
+    STORED: hl.constexpr,  # q_e stored (inference)
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -71,6 +78,11 @@ def scores_kernel(
         diag = a + hl.arange(16)  # [16] the diagonal block's columns
         diag_ok = start + diag < end
         causal = tile_i.index[:, None] >= diag[None, :]  # [16, 16] i >= j
+        if L2:  # the rows' l2norm scales, loaded once for every block of K
+            rq_i = hl.load(rstd_q, [rows, h], extra_mask=row_ok)  # [16]
+            rk_i = hl.load(rstd_k, [rows, h], extra_mask=row_ok)
+            rk_j = hl.load(rstd_k, [start + cols, h], extra_mask=col_ok)  # [C]
+            rk_d = hl.load(rstd_k, [start + diag, h], extra_mask=diag_ok)  # [16]
         off_kk = hl.zeros([tile_i, C], dtype=torch.float32)
         off_qk = hl.zeros([tile_i, C], dtype=torch.float32)
         blk_kk = hl.zeros([tile_i, 16], dtype=torch.float32)
@@ -80,10 +92,15 @@ def scores_kernel(
             G_a = G[c, hv, a, tile_k]  # [BK]
             q_i = hl.load(q, [rows, h, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
             k_i = hl.load(k, [rows, h, tile_k], extra_mask=row_ok[:, None]).to(torch.float32)
-            q_e[c, hv, tile_i, tile_k] = (scale * q_i * torch.exp(G_i)).to(q_e.dtype)
             # the strip against the columns before it (and, by product, its own), through the anchor
             G_j = hl.load(G, [c, hv, cols, tile_k])  # [C, BK]
             k_j = hl.load(k, [start + cols, h, tile_k], extra_mask=col_ok[:, None]).to(torch.float32)
+            if L2:
+                q_i = q_i * rq_i[:, None]
+                k_i = k_i * rk_i[:, None]
+                k_j = k_j * rk_j[:, None]
+            if STORED:
+                q_e[c, hv, tile_i, tile_k] = (scale * q_i * torch.exp(G_i)).to(q_e.dtype)
             k_j = k_j * torch.exp(torch.where(col_ok[:, None], G_a[None, :] - G_j, float("-inf")))
             decay_i = torch.exp(G_i - G_a[None, :])
             off_kk = hl.dot(k_i * decay_i, k_j.transpose(0, 1), acc=off_kk)
@@ -91,6 +108,8 @@ def scores_kernel(
             if not by_product:  # the diagonal block, exactly
                 G_d = hl.load(G, [c, hv, diag, tile_k])  # [16, BK]
                 k_d = hl.load(k, [start + diag, h, tile_k], extra_mask=diag_ok[:, None]).to(torch.float32)
+                if L2:
+                    k_d = k_d * rk_d[:, None]
                 exponent = torch.where(causal[:, :, None], G_i[:, None, :] - G_d[None, :, :], float("-inf"))
                 kd_e = k_d[None, :, :] * torch.exp(exponent)  # [16, 16, BK]
                 blk_kk = blk_kk + torch.sum(k_i[:, None, :] * kd_e, dim=2)

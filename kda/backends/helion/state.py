@@ -8,10 +8,12 @@ Per sequence ``n`` and value head ``hv``, ``S`` starting at the initial state (o
         S        = exp(G_last[j])[:, None] * S + k_g[j]^T @ v_new[j]
     final_state[n] = S
 
-Only this loop is serial; a program holds ``S`` for a block of ``V`` columns (``[K, BV]`` fp32 in
-registers) and every read is a whole chunk-major tile. A tail chunk's rows past the end are zero in ``w``,
-``u`` and ``k_g``, so they change nothing, and ``G_last`` (the chunk's last row) is the last token's value.
-The products take operands in the storage dtype (fp32 accumulation), as the intermediates are stored.
+with ``k_g[j] = k exp(G_last - G)`` (every exponent <= 0) read as `solve` stored it at inference
+(``STORED``), and in training made here from the chunk's rows of ``k`` (times their l2norm scale ``r``
+with L2) and ``G`` (`kda/backends/helion/forward.py` says why). Only this loop is serial; a program holds ``S`` for a block of ``V`` columns (``[K, BV]`` fp32 in
+registers). A tail chunk's rows past the end are zero in ``w``, ``u`` and ``k`` (masked loads), so they
+change nothing, and ``G_last`` (the chunk's last row) is the last token's value. The products take
+operands in the storage dtype (fp32 accumulation), as the intermediates are stored.
 
 Both state layouts: ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``V_FIRST`` (read and written transposed).
 Grid ``(N, HV, V / BV)``.
@@ -26,24 +28,33 @@ import torch
 def state_kernel(
     w: torch.Tensor,  # [NT, HV, C, K]
     u: torch.Tensor,  # [NT, HV, C, V] in: u; out: v_new
-    k_g: torch.Tensor,  # [NT, HV, C, K]
+    k_g: torch.Tensor,  # [NT, HV, C, K] with STORED (else a placeholder)
+    k: torch.Tensor,  # [tokens, H, K] as given
+    rstd_k: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
     G: torch.Tensor,  # [NT, HV, C, K] fp32
+    chunk_starts: torch.Tensor,  # [NT] int32
+    chunk_seq_ends: torch.Tensor,  # [NT] int32
     chunk_bounds: torch.Tensor,  # [N + 1] int32: sequence n owns chunks [chunk_bounds[n], chunk_bounds[n+1])
     h: torch.Tensor,  # [NT, HV, K, V] out, storage dtype
     h0: torch.Tensor,  # [N, HV, K, V] (or [N, HV, V, K]); a placeholder without one
     ht: torch.Tensor,  # [N, HV, K, V] (or [N, HV, V, K]) fp32 out; a placeholder without one
+    group: int,  # HV // H
     C: hl.constexpr,
     HAS_H0: hl.constexpr,
     STORE_HT: hl.constexpr,
     V_FIRST: hl.constexpr,
+    L2: hl.constexpr,
+    STORED: hl.constexpr,  # k_g read as stored (inference), else made from k and G
 ) -> None:
     N = chunk_bounds.size(0) - 1
     HV = w.size(1)
     K = hl.specialize(w.size(3))
+    hl.specialize(k.size(2))
     V = u.size(3)
     for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
         n = tile_n.begin
         hv = tile_hv.begin
+        head = hv // group
         if HAS_H0:
             if V_FIRST:
                 S = h0[n, hv, tile_v, :].to(torch.float32).transpose(0, 1)
@@ -58,7 +69,15 @@ def state_kernel(
             v_new = u[j, hv, :, tile_v].to(torch.float32) - hl.dot(w_j, S.to(w_j.dtype))
             u[j, hv, :, tile_v] = v_new.to(u.dtype)
             G_last = G[j, hv, C - 1, :]  # [K]
-            k_j = k_g[j, hv, :, :]  # [C, K]
+            if STORED:
+                k_j = k_g[j, hv, :, :]  # [C, K]
+            else:
+                rows = chunk_starts[j] + hl.arange(C)
+                valid = rows < chunk_seq_ends[j]
+                k_j = hl.load(k, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
+                if L2:
+                    k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
+                k_j = (k_j * torch.exp(G_last[None, :] - G[j, hv, :, :])).to(w_j.dtype)
             S = hl.dot(k_j.transpose(0, 1), v_new.to(k_j.dtype), acc=S * torch.exp(G_last)[:, None])
         if STORE_HT:
             if V_FIRST:

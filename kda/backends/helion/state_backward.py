@@ -9,6 +9,8 @@ forward's ``S' = exp(G_last) S + k_g^T v_new``, ``v_new = u - w S`` and ``o = q_
         dS        = exp(G_last[j])[:, None] * dS + q_e[j]^T @ do[j] - w[j]^T @ dv_new[j]
     d initial_state[n] = dS
 
+with ``q_e = scale q exp(G)`` and ``k_g = k exp(G_last - G)`` made here, as the forward made them, from the
+chunk's rows of ``q`` and ``k`` (times their l2norm scales with L2) and ``G``: nothing stores them.
 ``dh`` and ``dv_new`` are stored chunk-major in fp32 for `chunk_backward`. Grid ``(N, HV, V / BV)``;
 ``K`` whole, ``dS`` fp32 in registers. Both state layouts, as the forward's `state`.
 """
@@ -21,9 +23,11 @@ import torch
 
 def state_backward_kernel(
     do: torch.Tensor,  # [tokens, HV, V]
-    q_e: torch.Tensor,  # [NT, HV, C, K]
+    q: torch.Tensor,  # [tokens, H, K] as given
+    k: torch.Tensor,  # [tokens, H, K] as given
+    rstd_q: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
+    rstd_k: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
     w: torch.Tensor,  # [NT, HV, C, K]
-    k_g: torch.Tensor,  # [NT, HV, C, K]
     A_qk: torch.Tensor,  # [NT, HV, C, C]
     G: torch.Tensor,  # [NT, HV, C, K] fp32
     chunk_starts: torch.Tensor,  # [NT] int32
@@ -33,18 +37,23 @@ def state_backward_kernel(
     dh: torch.Tensor,  # [NT, HV, K, V] fp32 out
     dv_new: torch.Tensor,  # [NT, HV, C, V] fp32 out
     dh0: torch.Tensor,  # [N, HV, K, V] (or [N, HV, V, K]) fp32 out; a placeholder without one
+    scale: float,
+    group: int,  # HV // H
     C: hl.constexpr,
     HAS_DHT: hl.constexpr,
     STORE_DH0: hl.constexpr,
     V_FIRST: hl.constexpr,
+    L2: hl.constexpr,
 ) -> None:
     N = chunk_bounds.size(0) - 1
     HV = w.size(1)
     K = hl.specialize(w.size(3))
+    hl.specialize(q.size(2))
     V = dh.size(3)
     for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
         n = tile_n.begin
         hv = tile_hv.begin
+        head = hv // group
         if HAS_DHT:
             if V_FIRST:
                 dS = dht[n, hv, tile_v, :].to(torch.float32).transpose(0, 1)
@@ -60,14 +69,21 @@ def state_backward_kernel(
             rows = chunk_starts[j] + hl.arange(C)
             valid = rows < chunk_seq_ends[j]
             do_j = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)  # [C, BV]
-            A = A_qk[j, hv, :, :].to(torch.float32)
-            k_j = k_g[j, hv, :, :].to(torch.float32)
-            dvn = hl.dot(A.transpose(0, 1), do_j)
-            dvn = hl.dot(k_j, dS, acc=dvn)
-            dv_new[j, hv, :, tile_v] = dvn
+            q_j = hl.load(q, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)  # [C, K]
+            k_j = hl.load(k, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
+            if L2:
+                q_j = q_j * hl.load(rstd_q, [rows, head], extra_mask=valid)[:, None]
+                k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
+            G_j = G[j, hv, :, :]  # [C, K]
             G_last = G[j, hv, C - 1, :]  # [K]
+            q_e = scale * q_j * torch.exp(G_j)
+            k_g = k_j * torch.exp(G_last[None, :] - G_j)
+            A = A_qk[j, hv, :, :].to(torch.float32)
+            dvn = hl.dot(A.transpose(0, 1), do_j)
+            dvn = hl.dot(k_g, dS, acc=dvn)
+            dv_new[j, hv, :, tile_v] = dvn
             dS = dS * torch.exp(G_last)[:, None]
-            dS = hl.dot(q_e[j, hv, :, :].to(torch.float32).transpose(0, 1), do_j, acc=dS)
+            dS = hl.dot(q_e.transpose(0, 1), do_j, acc=dS)
             dS = dS - hl.dot(w[j, hv, :, :].to(torch.float32).transpose(0, 1), dvn)
         if STORE_DH0:
             if V_FIRST:

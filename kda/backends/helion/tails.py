@@ -15,7 +15,7 @@ per-token log decay, ``z = g + dt_bias[hv]``, ``A = exp(A_log[hv])``)::
 ``dA_log`` (torch sums: a fixed order, no atomics).
 
 `qk_tail_kernel`, per chunk and q/k head: the value heads of the GVA group summed, then with the
-in-kernel l2norm (``r = 1 / sqrt(|x|^2 + eps)``, ``x^ = r x``)::
+in-kernel l2norm (``r = 1 / sqrt(|x|^2 + eps)`` from the forward's stage 0, ``x^ = r x``)::
 
     dx = r (dx^ - x^ (x^ . dx^))
 
@@ -89,7 +89,7 @@ def gate_tail_kernel(
 
 
 def qk_tail_kernel(
-    x_hat: torch.Tensor,  # [tokens, H, K] the rows the forward used (normalized with L2)
+    x: torch.Tensor,  # [tokens, H, K] as given
     rstd: torch.Tensor,  # [tokens, H] fp32 (a placeholder without L2)
     dx_c: torch.Tensor,  # [NT, HV, C, K] fp32 per value head
     chunk_starts: torch.Tensor,  # [NT] int32
@@ -100,8 +100,8 @@ def qk_tail_kernel(
     L2: hl.constexpr,
 ) -> None:
     NT = dx_c.size(0)
-    H = x_hat.size(1)
-    K = hl.specialize(x_hat.size(2))
+    H = x.size(1)
+    K = hl.specialize(x.size(2))
     for tile_c, tile_h in hl.tile([NT, H], block_size=[1, 1]):
         c = tile_c.begin
         head = tile_h.begin
@@ -111,7 +111,7 @@ def qk_tail_kernel(
         for member in hl.grid(group):
             total = total + dx_c[c, head * group + member, :, :]
         if L2:
-            xh = hl.load(x_hat, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
             r = hl.load(rstd, [rows, head], extra_mask=valid)
+            xh = r[:, None] * hl.load(x, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
             total = r[:, None] * (total - xh * torch.sum(xh * total, dim=1)[:, None])
         hl.store(dx, [rows, head, hl.arange(K)], total.to(dx.dtype), extra_mask=valid[:, None])

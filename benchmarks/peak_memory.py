@@ -2,6 +2,7 @@
 
     python benchmarks/peak_memory.py B1_T8192_H96_D128 --mode fwd --mode train_safe \
         --backend helion --backend triton --backend baseline:fla
+    python benchmarks/peak_memory.py B4_T2048_H16_D128 --mode train_safe --backend helion --breakdown
 
 The bench reports a call's peak as ``torch.cuda.max_memory_allocated`` beyond what was allocated before the
 call (`kda.bench.timing.peak_bytes`). A kernel allocates nothing on the GPU, so that peak is decided by the
@@ -19,6 +20,9 @@ Checked against the H200's bench figures (`benchmarks/results/nvidia-h200/`): FL
 the triton backend's, the tilelang backend's forward and its training at two shapes, and the helion
 forward as it allocated every intermediate up front come out to the MiB (`docs/design.md`, "The helion
 backend"). Run it as a script: it switches Triton's interpreter on before Triton is imported.
+
+``--breakdown`` lists what is alive at the peak: each storage's size, shape and dtype, and the line of
+kda's (or FLA's) code that made it, largest first.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ if __name__ == "__main__":  # before Triton is imported: its kernels become inte
 import argparse
 import collections
 import sys
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,14 +60,18 @@ BACKENDS = ["helion", "triton", "tilelang", "baseline:fla"]  # those whose every
 
 
 class LiveStorages(TorchDispatchMode):
-    """Counts the bytes of the storages created while it is active and still alive; keeps the peak."""
+    """Counts the bytes of the storages created while it is active and still alive; keeps the peak. With
+    `describe`, also what each live storage is (`Made`) and which were alive at the peak (`at_peak`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, describe: bool = False) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self.before: set[int] = set()  # data pointers of the storages made before the call
         self.sizes: dict[int, int] = {}  # the live counted storages' bytes, by data pointer
+        self.describe = describe
+        self.made: dict[int, Made] = {}  # with `describe`: what each live counted storage is
+        self.at_peak: list[Made] = []  # with `describe`: the storages alive when the peak was reached
 
     def existing(self, tensors: list[torch.Tensor]) -> None:
         """Storages made before the call: never counted."""
@@ -71,21 +81,59 @@ class LiveStorages(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         for value in tree_flatten(result)[0]:
             if isinstance(value, torch.Tensor):
-                self._count(value.untyped_storage())
+                self._count(value.untyped_storage(), value)
         return result
 
-    def _count(self, storage: torch.UntypedStorage) -> None:
+    def _count(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> None:
         pointer, size = storage.data_ptr(), storage.nbytes()
         if pointer in self.sizes or pointer in self.before or size == 0:
             return
         self.sizes[pointer] = size
         self.live += size
-        self.peak = max(self.peak, self.live)
+        if self.describe:
+            self.made[pointer] = Made(size, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), _maker())
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.describe:
+                self.at_peak = list(self.made.values())
         weakref.finalize(storage, self._freed, pointer, size)
 
     def _freed(self, pointer: int, size: int) -> None:
         self.live -= size
         self.sizes.pop(pointer, None)
+        self.made.pop(pointer, None)
+
+
+@dataclass(frozen=True)
+class Made:
+    """One counted storage: its bytes, the shape and dtype of the tensor that made it, and where."""
+
+    size: int
+    shape: tuple[int, ...]
+    dtype: str
+    where: str  # "file.py:line function" of the two innermost frames in kda's or FLA's code, or "?"
+
+
+def _maker() -> str:
+    """The two innermost frames of the call stack in kda's or FLA's own code (not torch's, not this file's),
+    the caller first: a small allocating helper alone would not say what the storage is for."""
+    frames = []
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if ("/kda/" in path or "/fla/" in path) and "/torch/" not in path:
+            frames.append(f"{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}")
+            if len(frames) == 2:
+                break
+    return " > ".join(reversed(frames)) or "?"
+
+
+def breakdown(at_peak: list[Made]) -> str:
+    """The storages alive at the peak, largest first, as lines of MiB, shape, dtype and maker."""
+    lines = []
+    for made in sorted(at_peak, key=lambda made: -made.size):
+        shape = "x".join(map(str, made.shape)) or "scalar"
+        lines.append(f"  {made.size / MiB:10.2f} MiB  {shape:>22} {made.dtype:9s} {made.where}")
+    return "\n".join(lines)
 
 
 def tilelang_usable() -> bool:
@@ -135,15 +183,20 @@ def launches_skipped() -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def peak_bytes(call: Callable[[], Any], existing: list[torch.Tensor]) -> int:
-    """The peak of the bytes `call` holds at once, beyond `existing`'s storages; its result is counted until
-    it is dropped, as in the bench."""
-    counter = LiveStorages()
+def count(call: Callable[[], Any], existing: list[torch.Tensor], describe: bool = False) -> LiveStorages:
+    """`call` run with its storages counted beyond `existing`'s; its result is counted until it is dropped,
+    as in the bench."""
+    counter = LiveStorages(describe)
     counter.existing(existing)
     with launches_skipped(), counter:
         result = call()
         del result
-    return counter.peak
+    return counter
+
+
+def peak_bytes(call: Callable[[], Any], existing: list[torch.Tensor]) -> int:
+    """The peak of the bytes `call` holds at once, beyond `existing`'s storages."""
+    return count(call, existing).peak
 
 
 def call_of(backend: str, inputs: Any, mode: Any) -> tuple[Callable[[], Any] | None, str | None]:
@@ -168,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend", action="append", choices=BACKENDS, help="what to count (default: helion); repeatable"
     )
+    parser.add_argument("--breakdown", action="store_true", help="list what is alive at the peak, and who made it")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("run it as a script (python benchmarks/peak_memory.py): Triton's interpreter must be on")
@@ -182,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                 if call is None:
                     print(f"{shape_name} {mode_name} {backend}: not counted ({why})")
                     continue
-                peak = peak_bytes(call, existing)
+                counter = count(call, existing, describe=args.breakdown)
+                peak = counter.peak
                 print(f"{shape_name} {mode_name} {backend}: peak {peak / MiB:.0f} MiB ({peak} bytes)", flush=True)
+                if args.breakdown:
+                    print(breakdown(counter.at_peak), flush=True)
     return 0
 
 

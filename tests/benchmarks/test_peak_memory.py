@@ -24,6 +24,25 @@ def test_the_counter_follows_allocations_and_frees():
     assert peak_memory.peak_bytes(call, [kept]) == 16000
 
 
+def test_the_breakdown_lists_what_is_alive_at_the_peak():
+    def call() -> torch.Tensor:
+        big = torch.empty(3000, dtype=torch.float32)  # 12000 bytes
+        small = torch.empty(500, dtype=torch.float64)  # 4000: 16000 live, the peak
+        del big
+        later = torch.empty(3000, dtype=torch.int32)  # 12000: 16000 live again, not above the peak
+        del later
+        return small
+
+    counter = peak_memory.count(call, [], describe=True)
+    assert counter.peak == 16000
+    assert [(made.size, made.shape, made.dtype) for made in sorted(counter.at_peak, key=lambda m: -m.size)] == [
+        (12000, (3000,), "float32"),
+        (4000, (500,), "float64"),
+    ]
+    lines = peak_memory.breakdown(counter.at_peak).splitlines()
+    assert len(lines) == 2 and "3000" in lines[0] and "float32" in lines[0] and "float64" in lines[1]
+
+
 def test_inputs_written_in_place_do_not_count():
     buffer = torch.zeros(4096)
     assert peak_memory.peak_bytes(lambda: buffer.add_(1.0), [buffer]) == 0

@@ -5,8 +5,12 @@
     python benchmarks/helion_stages.py --sync-each --case safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train
 
 Runs the bench's own callable (`kda.bench.runner.call_for`, so exactly what the bench times) with every
-Helion launch wrapped in CUDA events, and prints each kernel's median GPU milliseconds per call and its
-share of the call. ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
+Helion launch wrapped in CUDA events, and prints each kernel's median GPU milliseconds per call, its share
+of the call, and the bytes of its tensor arguments (each storage once, summed over its launches in the
+call) over that time: what it moves if it reads and writes each argument once, against the H200's ~4.3
+TB/s copy rate. An upper bound where a kernel reads part of a tensor (the state pass reads ``G``'s last
+row of each chunk) or gets a placeholder, a lower one where it reads a tile again (``scores`` reads each
+chunk's columns once per strip). ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
 that an illegal memory access names the kernel that made it. ``--case KEY`` runs a verification class's own
 cases instead (`kda.verify.check.run_case`: its inputs, sizes and seeds, printed first), with the backend's
 head-dim limit for training lifted: how a class the backend declines because a kernel faulted there is
@@ -28,10 +32,21 @@ from kda.bench.runner import call_for
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
 
-def instrument(times: dict[str, list[float]], sync_each: bool) -> None:
-    """Wrap `runtime.launch` so that each launch is timed by CUDA events (read after the call)."""
+def argument_bytes(args: tuple) -> int:
+    """The bytes of a launch's tensor arguments, each storage once (a placeholder is often a tensor the
+    launch also reads)."""
+    storages = {
+        x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in args if isinstance(x, torch.Tensor)
+    }
+    return sum(storages.values())
+
+
+def instrument(times: dict[str, list[float]], sync_each: bool, moved: dict[str, int] | None = None) -> None:
+    """Wrap `runtime.launch` so that each launch is timed by CUDA events (read after the call); with `moved`,
+    each kernel's argument bytes in one call are kept there too."""
     plain = runtime.launch
     pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    per_call_bytes: dict[str, int] = defaultdict(int)
 
     def timed(fn, dot_precision, args, key) -> None:
         name = fn.__name__.removesuffix("_kernel")
@@ -42,6 +57,7 @@ def instrument(times: dict[str, list[float]], sync_each: bool) -> None:
         plain(fn, dot_precision, args, key)
         end.record()
         pending.append((name, start, end))
+        per_call_bytes[name] += argument_bytes(args)
         if sync_each:
             torch.cuda.synchronize()
 
@@ -52,7 +68,10 @@ def instrument(times: dict[str, list[float]], sync_each: bool) -> None:
             per_call[name] += start.elapsed_time(end)
         for name, ms in per_call.items():
             times[name].append(ms)
+        if moved is not None:
+            moved.update(per_call_bytes)
         pending.clear()
+        per_call_bytes.clear()
 
     runtime.launch = timed  # type: ignore[assignment]
     instrument.collect = collect  # type: ignore[attr-defined]
@@ -85,7 +104,8 @@ def main() -> None:
     if args.case is None and not (args.shapes and args.mode):
         parser.error("give shapes and --mode, or --case KEY")
     times: dict[str, list[float]] = defaultdict(list)
-    instrument(times, args.sync_each)
+    moved: dict[str, int] = {}
+    instrument(times, args.sync_each, moved)
     if args.case is not None:
         run_class(args.case)
         return
@@ -109,7 +129,9 @@ def main() -> None:
             medians = {name: statistics.median(ms) for name, ms in times.items()}
             total = sum(medians.values())
             for name, ms in sorted(medians.items(), key=lambda item: -item[1]):
-                print(f"  {name:16s} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
+                rate = moved.get(name, 0) / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
+                megabytes = moved.get(name, 0) / 1e6
+                print(f"  {name:16s} {ms:8.3f} ms  {100 * ms / total:5.1f}%  {megabytes:9.1f} MB  {rate:5.2f} TB/s")
             print(f"  {'sum':16s} {total:8.3f} ms", flush=True)
             times.clear()
 

@@ -32,7 +32,8 @@ def helion_backward(
     G = saved["G"]
     placeholder = G
     L2 = spec.use_qk_l2norm_in_kernel
-    q, k = saved["q"], saved["k"]  # as given: each kernel scales a row by its r (`rstd_*`) with L2
+    # as given (autograd's saved inputs): each kernel scales a row by its l2norm's r (`rstd_*`) with L2
+    q, k = inputs.q.reshape(tokens, H, K), inputs.k.reshape(tokens, H, K)
     rstd_q = saved["rstd_q"] if L2 else saved["beta"]  # without the l2norm, a placeholder no kernel reads
     rstd_k = saved["rstd_k"] if L2 else saved["beta"]
     do = do.reshape(tokens, HV, V)

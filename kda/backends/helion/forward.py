@@ -110,7 +110,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     # inference `release` frees them; training hands them all to the backward.
     q, k = inputs.q.reshape(tokens, H, K), inputs.k.reshape(tokens, H, K)
     L2 = spec.use_qk_l2norm_in_kernel
-    kept: dict[str, torch.Tensor | None] = dict(q=q, k=k, rstd_q=None, rstd_k=None)
+    kept: dict[str, torch.Tensor | None] = dict(rstd_q=None, rstd_k=None)
 
     def release(*names: str) -> None:
         if not training:

@@ -37,7 +37,8 @@ def make_inputs(
     values of that dtype (``q`` stays fp32, as the l2-normalized rows a training forward saves). ``G`` is a
     cumulative sum of negative log decays (rows past the end hold the last token's), ``M`` the keys' decayed
     products (strictly lower), ``T`` the inverse of ``I + diag(beta) M``; ``q_e = scale q e^G`` and ``k_g = k
-    e^(G_last - G)`` (the scale of ``K**-0.5``) for the helion stage, which reads them."""
+    e^(G_last - G)`` (the scale of ``K**-0.5``), which both stages form from the rows and G, for the
+    reference's checks."""
     gen = torch.Generator().manual_seed(seed)
     bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
     layout = chunk_layout(bounds, C, torch.device("cpu"))
@@ -79,7 +80,7 @@ def make_inputs(
         dh=randn(NT, HV, K, V),
         v_new=randn(NT, HV, C, V) * valid[:, None, :, None],
         dv_new=randn(NT, HV, C, V),
-        # what the helion stage reads and the tilelang one forms itself from the rows and G, in fp32
+        # what both stages form from the rows and G, in fp32
         q_e=scale * q_c * G.exp(),
         k_g=k_c * (G[:, :, -1:] - G).exp(),
     )
@@ -161,7 +162,7 @@ def empty_outputs(inputs: dict[str, torch.Tensor], C: int, dv_dtype: torch.dtype
     )
 
 
-HELION_ORDER = ("do", "v", "k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new", "q_e", "k_g")
+HELION_ORDER = ("do", "v", "q", "k", "G", "G", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new")  # G: no l2 scales
 TILELANG_ORDER = ("do", "v", "q", "k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new")
 
 
@@ -184,7 +185,7 @@ def test_the_reference_matches_the_helion_kernel(monkeypatch):
     kernel = helion.kernel(chunk_backward_kernel, static_shapes=False, dot_precision="ieee")
     kernel(
         *(inputs[name] for name in HELION_ORDER), layout.chunk_starts, layout.chunk_seq_ends,
-        *(outputs[name] for name in OUTPUTS), scale, group, C,
+        *(outputs[name] for name in OUTPUTS), scale, group, C, False,
     )  # fmt: skip
     expected = reference_chunk_backward(inputs, layout, C, scale, group)
     for name in OUTPUTS:

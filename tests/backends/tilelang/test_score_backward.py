@@ -125,7 +125,7 @@ def test_reference_matches_the_helion_kernel(seed, monkeypatch, C, gate):
     before = [torch.randn_like(G) for _ in range(3)]
     outputs = [x.clone() for x in before]
     kernel = helion.kernel(score_backward_kernel, static_shapes=False, dot_precision="ieee")
-    kernel(q, k, G, dP_qk, dP_kk, starts, ends, *outputs, group, C)
+    kernel(q, k, G, G, G, dP_qk, dP_kk, starts, ends, *outputs, group, C, False)  # rows as given: no l2 scales
     found = errors(outputs, before, (q, k, G, dP_qk, dP_kk, starts, ends), group)
     assert max(found.values()) <= 1e-5, found
 

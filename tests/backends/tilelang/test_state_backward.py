@@ -135,8 +135,9 @@ def test_the_reference_is_autograd_through_the_forward_state_pass(seed):
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("has_dht", [False, True])
 def test_the_reference_matches_helions_kernel_in_its_interpreter(seed, monkeypatch, v_first, has_dht):
-    """The same math as the helion backend's tested stage, on its fp32 inputs (helion reads the full ``G``
-    where the tilelang kernel reads ``G_last``: every other row of ``G`` is noise that must not matter)."""
+    """The same math as the helion backend's tested stage, on its fp32 inputs. Helion reads q and k
+    token-major and the full ``G``, and forms ``q_e = scale q e^G`` and ``k_g = k e^(G_last - G)`` itself;
+    the reference takes those, formed here in float64 from the same rows (zero past a sequence's end)."""
     pytest.importorskip("helion", reason="Helion is not installed (extra `helion`)")
     if torch.cuda.is_available():
         pytest.skip("Helion's interpreter case is for the CPU; on a GPU the tilelang kernel itself is tested")
@@ -149,8 +150,18 @@ def test_the_reference_matches_helions_kernel_in_its_interpreter(seed, monkeypat
     x = random_stage_inputs(ragged_bounds(C, 2), C, HV, K, V, torch.float32, "cpu", v_first)
     layout = x["layout"]
     NT, N = layout.num_chunks, layout.num_seqs
-    G = torch.randn(NT, HV, C, K)
+    G = -torch.rand(NT, HV, C, K) * C / 8
     G[:, :, C - 1] = x["G_last"]
+    tokens, scale = x["do"].shape[0], K**-0.5
+    q, k = torch.randn(tokens, HV, K) * scale, torch.randn(tokens, HV, K) * scale
+    rows = (layout.chunk_starts[:, None] + torch.arange(C)).long()  # [NT, C]
+    valid = (rows < layout.chunk_seq_ends[:, None])[:, None, :, None]  # [NT, 1, C, 1]
+
+    def by_chunk(t: torch.Tensor) -> torch.Tensor:  # [tokens, HV, K] -> [NT, HV, C, K] float64, zero past ends
+        return torch.where(valid, t[rows.clamp(max=tokens - 1)].transpose(1, 2).double(), 0.0)
+
+    q_e = scale * by_chunk(q) * G.double().exp()
+    k_g = by_chunk(k) * (G.double()[:, :, C - 1 :] - G.double()).exp()
     dht = x["dht"] if has_dht else None
     placeholder = torch.zeros(1)
     dh = torch.full((NT, HV, K, V), float("nan"))
@@ -160,12 +171,12 @@ def test_the_reference_matches_helions_kernel_in_its_interpreter(seed, monkeypat
     runtime.register_cpu_matmul()
     kernel = helion.kernel(state_backward_kernel, static_shapes=False, dot_precision="ieee")
     kernel(
-        x["do"], x["q_e"], x["w"], x["k_g"], x["A_qk"], G,
+        x["do"], q, k, G, G, x["w"], x["A_qk"], G,
         layout.chunk_starts, layout.chunk_seq_ends, layout.chunk_bounds,
-        dht if dht is not None else placeholder, dh, dv_new, dh0, C, has_dht, True, v_first,
+        dht if dht is not None else placeholder, dh, dv_new, dh0, scale, 1, C, has_dht, True, v_first, False,
     )  # fmt: skip
     expected = reference_state_backward(
-        x["do"], x["q_e"], x["w"], x["k_g"], x["A_qk"], x["G_last"],
+        x["do"], q_e, x["w"], k_g, x["A_qk"], x["G_last"],
         layout.chunk_starts, layout.chunk_seq_ends, layout.chunk_bounds, dht, v_first,
     )  # fmt: skip
     assert N == 4 and NT == 6

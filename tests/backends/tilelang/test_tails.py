@@ -157,8 +157,8 @@ def qk_inputs(C, K, H, group, bounds, l2norm, dtype=torch.float32, device="cpu")
     x_hat = (x * rstd[..., None]) if l2norm else x
     dx_c = torch.randn(NT, H * group, C, K)
     return dict(
-        x_hat=x_hat.to(dtype).to(device), rstd=rstd.to(device) if l2norm else None, dx_c=dx_c.to(device),
-        layout=layout,
+        x=x.to(dtype).to(device), x_hat=x_hat.to(dtype).to(device), rstd=rstd.to(device) if l2norm else None,
+        dx_c=dx_c.to(device), layout=layout,
     )  # fmt: skip
 
 
@@ -294,8 +294,9 @@ def test_the_qk_reference_matches_helion(seed, helion_interpreter, l2norm, group
     layout = x["layout"]
     dx = torch.full(x["x_hat"].shape, math.nan)
     rstd = x["rstd"] if l2norm else x["dx_c"]
+    # the helion tail takes the rows as given and their scales (it normalizes them itself)
     helion_interpreter(
-        qk_tail_kernel, x["x_hat"], rstd, x["dx_c"], layout.chunk_starts, layout.chunk_seq_ends, dx, group, C, l2norm
+        qk_tail_kernel, x["x"], rstd, x["dx_c"], layout.chunk_starts, layout.chunk_seq_ends, dx, group, C, l2norm
     )
     assert relative(dx, qk_tail_reference(x["x_hat"], x["rstd"], x["dx_c"], layout, C, l2norm)) <= 1e-5
 

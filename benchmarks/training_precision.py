@@ -19,15 +19,23 @@ version 18 are seed 12's cases 14, 25, 31 and 55.
 With ``--gpu`` the same cases run on CUDA instead, through the named backends as shipped (no mixes, no
 emulation): how FLA's `chunk_kda`, which keeps ``h`` and ``dh`` in bf16 and multiplies bf16 operands,
 fares on them beside ours.
+
+With ``--helion`` (CPU) each case runs through the triton backend as shipped and through the helion
+backend's compiled kernels (the Triton code Helion generates for the launch configurations an H200 gets,
+in Triton's interpreter, products emulated as above), with K and V rounded up to multiples of 16, the
+helion backend's head dims: whether its training is as accurate as the triton backend's on the same cases.
+Each helion case compiles its own kernels (tens of seconds on a CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
 import sys
+import warnings
 from pathlib import Path
 
 GPU = "--gpu" in sys.argv
@@ -119,10 +127,14 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated case indices to run (the others are drawn, not run)")
     parser.add_argument("--gpu", action="store_true", help="run on CUDA through --backend, as shipped")
     parser.add_argument("--backend", action="append", help="with --gpu: the backends (default: triton, fla)")
+    parser.add_argument("--helion", action="store_true", help="the helion backend's compiled kernels beside triton")
     args = parser.parse_args()
     only = None if args.only is None else {int(i) for i in args.only.split(",")}
     if args.gpu:
         _on_the_gpu(args.seed, args.count, args.skip, only, args.backend or ["triton", "fla"])
+        return
+    if args.helion:
+        _helion_beside_triton(args.seed, args.count, args.skip, only)
         return
     mixes = args.mix or ["v16", "v17"]
 
@@ -196,6 +208,57 @@ def _on_the_gpu(seed: int, count: int, skip: int, only: set[int] | None, backend
                 (result.reason or "")[:120],
             ]
         print(json.dumps(row), flush=True)
+
+
+def at_helions_head_dims(case: VerificationCase) -> VerificationCase:
+    """The case with K and V rounded up to multiples of 16 (the helion backend's head dims)."""
+    return dataclasses.replace(case, K=-(-case.K // 16) * 16, V=-(-case.V // 16) * 16)
+
+
+def _helion_beside_triton(seed: int, count: int, skip: int, only: set[int] | None) -> None:
+    """The drawn cases at the helion backend's head dims on the CPU, through the triton backend as shipped
+    and the helion backend's compiled kernels, products emulated as a GPU computes them: one JSON line a
+    case, a summary per backend on stderr."""
+    from helion_compiled import as_on_an_h200, interpreter_bridges
+
+    from kda.backends import helion as helion_backend
+    from kda.backends.base import Verdict
+
+    patch = pytest.MonkeyPatch()
+    emulate_gpu_dots(patch)  # before the bridges, which widen bf16 operands on the way to it
+    as_on_an_h200(patch)
+    patch.delenv("HELION_INTERPRET", raising=False)
+    patch.setattr(helion_backend.HelionBackend, "supports", lambda self, spec: Verdict.yes("compiled, interpreted"))
+    backends = {"triton": TritonBackend(), "helion": helion_backend.HelionBackend()}
+    worst: dict[str, list[float]] = {name: [] for name in backends}
+    failures = dict.fromkeys(backends, 0)
+    rng = random.Random(seed)
+    try:
+        with interpreter_bridges(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="kda: helion kernel .* default configuration")
+            for index in range(count):
+                case = at_helions_head_dims(draw(rng))
+                if index < skip or (only is not None and index not in only):
+                    continue
+                row: dict = {"index": index, "key": case.case_class.key, "regime": case.regime, "K": case.K,
+                             "V": case.V, "seq_lens": case.seq_lens, "seed": case.seed}  # fmt: skip
+                for name, backend in backends.items():
+                    result = run_case(backend, case, "cpu")
+                    tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
+                    row[name] = [result.passed, round(result.worst_ratio, 4), tensor, result.errors.get("dA_log")]
+                    worst[name].append(result.worst_ratio)
+                    failures[name] += not result.passed
+                print(json.dumps(row), flush=True)
+    finally:
+        patch.undo()
+    for name in backends:
+        ratios = sorted(worst[name])
+        if ratios:
+            print(
+                f"{name}: {failures[name]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
+                f"median {ratios[len(ratios) // 2]:.3f}",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":

@@ -120,8 +120,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     if L2:
         kept.update(rstd_q=empty(tokens, H, dtype=f32), rstd_k=empty(tokens, H, dtype=f32))
         if tokens > 0:
-            run(normalize.normalize_kernel, q, kept["rstd_q"])
-            run(normalize.normalize_kernel, k, kept["rstd_k"])
+            run(normalize.normalize_kernel, q, k, kept["rstd_q"], kept["rstd_k"])
 
     kept.update(G=empty(NT, HV, C, K, dtype=f32), beta=empty(NT, HV, C, dtype=f32))
     kept.update(M=empty(NT, HV, C, C, dtype=f32), A_qk=empty(NT, HV, C, C))

@@ -118,6 +118,30 @@ def draw(rng: random.Random) -> VerificationCase:
     )
 
 
+def _case_row(index: int, case: VerificationCase) -> dict:
+    """The start of a case's JSON line: what the case is."""
+    return {"index": index, "key": case.case_class.key, "regime": case.regime, "K": case.K, "V": case.V,
+            "seq_lens": case.seq_lens, "seed": case.seed}  # fmt: skip
+
+
+def _outcome(result) -> list:
+    """Passed, worst error / tolerance, the worst tensor, and ``dA_log``'s relative error."""
+    tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
+    return [result.passed, round(result.worst_ratio, 4), tensor, result.errors.get("dA_log")]
+
+
+def _print_summary(worst: dict[str, list[float]], failures: dict[str, int]) -> None:
+    """One line per mix or backend on stderr: failures, worst and median error / tolerance."""
+    for name, found in worst.items():
+        ratios = sorted(found)
+        if ratios:
+            print(
+                f"{name}: {failures[name]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
+                f"median {ratios[len(ratios) // 2]:.3f}",
+                file=sys.stderr,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("seed", type=int)
@@ -149,21 +173,12 @@ def main() -> None:
             case = draw(rng)
             if index < args.skip or (only is not None and index not in only):
                 continue
-            row = {
-                "index": index,
-                "key": case.case_class.key,
-                "regime": case.regime,
-                "K": case.K,
-                "V": case.V,
-                "seq_lens": case.seq_lens,
-                "seed": case.seed,
-            }
+            row = _case_row(index, case)
             for mix in mixes:
                 for name, value in MIXES[mix].items():
                     setattr(storage, name, value)
                 result = run_case(TritonBackend(), case, "cpu")
-                tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
-                row[mix] = [result.passed, round(result.worst_ratio, 4), tensor, result.errors.get("dA_log")]
+                row[mix] = _outcome(result)
                 worst[mix].append(result.worst_ratio)
                 failures[mix] += not result.passed
             print(json.dumps(row), flush=True)
@@ -171,14 +186,7 @@ def main() -> None:
         for name, value in shipped.items():
             setattr(storage, name, value)
         patch.undo()
-    for mix in mixes:
-        ratios = sorted(worst[mix])
-        if ratios:
-            print(
-                f"{mix}: {failures[mix]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
-                f"median {ratios[len(ratios) // 2]:.3f}",
-                file=sys.stderr,
-            )
+    _print_summary(worst, failures)
 
 
 def _on_the_gpu(seed: int, count: int, skip: int, only: set[int] | None, backends: list[str]) -> None:
@@ -188,25 +196,10 @@ def _on_the_gpu(seed: int, count: int, skip: int, only: set[int] | None, backend
         case = draw(rng)
         if index < skip or (only is not None and index not in only):
             continue
-        row = {
-            "index": index,
-            "key": case.case_class.key,
-            "regime": case.regime,
-            "K": case.K,
-            "V": case.V,
-            "seq_lens": case.seq_lens,
-            "seed": case.seed,
-        }
+        row = _case_row(index, case)
         for name in backends:
             result = run_case(kda.get_backend(name), case, "cuda")
-            tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
-            row[name] = [
-                result.passed,
-                round(result.worst_ratio, 4),
-                tensor,
-                result.errors.get("dA_log"),
-                (result.reason or "")[:120],
-            ]
+            row[name] = [*_outcome(result), (result.reason or "")[:120]]
         print(json.dumps(row), flush=True)
 
 
@@ -240,25 +233,16 @@ def _helion_beside_triton(seed: int, count: int, skip: int, only: set[int] | Non
                 case = at_helions_head_dims(draw(rng))
                 if index < skip or (only is not None and index not in only):
                     continue
-                row: dict = {"index": index, "key": case.case_class.key, "regime": case.regime, "K": case.K,
-                             "V": case.V, "seq_lens": case.seq_lens, "seed": case.seed}  # fmt: skip
+                row = _case_row(index, case)
                 for name, backend in backends.items():
                     result = run_case(backend, case, "cpu")
-                    tensor = max(result.ratios, key=result.ratios.get) if result.ratios else None
-                    row[name] = [result.passed, round(result.worst_ratio, 4), tensor, result.errors.get("dA_log")]
+                    row[name] = _outcome(result)
                     worst[name].append(result.worst_ratio)
                     failures[name] += not result.passed
                 print(json.dumps(row), flush=True)
     finally:
         patch.undo()
-    for name in backends:
-        ratios = sorted(worst[name])
-        if ratios:
-            print(
-                f"{name}: {failures[name]} failed of {len(ratios)}, worst error / tolerance {ratios[-1]:.3f}, "
-                f"median {ratios[len(ratios) // 2]:.3f}",
-                file=sys.stderr,
-            )
+    _print_summary(worst, failures)
 
 
 if __name__ == "__main__":

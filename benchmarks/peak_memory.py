@@ -211,7 +211,7 @@ def call_of(backend: str, inputs: Any, mode: Any) -> tuple[Callable[[], Any] | N
     def forward() -> Any:
         return run(**inputs.kwargs)
 
-    return (runner._with_backward(forward, inputs) if mode.training else forward), None
+    return (runner.with_backward(forward, inputs) if mode.training else forward), None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,8 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _with_backward(forward: Callable[[], Any], inputs: BenchInputs) -> Callable[[], Any]:
+def with_backward(forward: Callable[[], Any], inputs: BenchInputs) -> Callable[[], Any]:
+    """A training row's step: `forward`, then the gradients of its output against `inputs.do`."""
     leaves = list(inputs.leaves.values())
 
     def step() -> Any:
@@ -115,7 +116,7 @@ def call_for(name: str, inputs: BenchInputs, mode: Mode) -> tuple[Callable[[], A
         forward = made
     else:
         forward = lambda: kda.chunk_kda(**kwargs, backend=name)  # noqa: E731
-    return (_with_backward(forward, inputs) if mode.training else forward), None
+    return (with_backward(forward, inputs) if mode.training else forward), None
 
 
 def _flashkda_direct(kwargs: dict[str, Any], mode: Mode) -> Callable[[], Any] | str:

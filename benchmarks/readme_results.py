@@ -41,10 +41,11 @@ def _version_key(name: str) -> tuple[int, ...]:
 
 
 def newest_snapshots(results: Path) -> list[Path]:
-    """The newest version folder of each GPU under ``results`` (folders holding a results.json)."""
+    """The newest version folder of each GPU under ``results`` (folders holding a results.json, or only a
+    verification: a GPU where nothing was timed against FLA)."""
     found = []
     for gpu in sorted(p for p in results.iterdir() if p.is_dir()):
-        versions = [p for p in gpu.iterdir() if (p / "results.json").is_file()]
+        versions = [p for p in gpu.iterdir() if (p / "results.json").is_file() or any(p.glob("verify*.json"))]
         if versions:
             found.append(max(versions, key=lambda p: _version_key(p.name)))
     return found
@@ -190,10 +191,12 @@ def verify_lines(report: dict[str, Any]) -> list[str]:
 
 
 def section(snapshot: Path) -> list[str]:
+    where = (snapshot.relative_to(ROOT) if snapshot.is_relative_to(ROOT) else snapshot).as_posix()
+    if not (snapshot / "results.json").is_file():
+        return verification_section(snapshot, where)
     data = json.loads((snapshot / "results.json").read_text())
     versions = data["versions"]
     shown = ("torch", "triton", "fla", "flash_kda", "helion", "tilelang")
-    where = (snapshot.relative_to(ROOT) if snapshot.is_relative_to(ROOT) else snapshot).as_posix()
     lines = [
         f"### {data['gpu']['name']}, kda {data['kda']} (`{where}/`)",
         "",
@@ -210,12 +213,31 @@ def section(snapshot: Path) -> list[str]:
     decode = snapshot / "decode.json"
     if decode.is_file():
         lines += [*decode_table(json.loads(decode.read_text())), ""]
+    return lines + verifications(snapshot, where)
+
+
+def verifications(snapshot: Path, where: str) -> list[str]:
+    lines = []
     for verify in sorted(snapshot.glob("verify*.json")):
         report = json.loads(verify.read_text())
         backends = ", ".join(f"{n} v{f['backend_version']}" for n, f in sorted(report.get("fingerprints", {}).items()))
         lines += [f"Verification on that machine (`{where}/{verify.name}`; {backends}):", ""]
         lines += [*verify_lines(report), ""]
     return lines
+
+
+def verification_section(snapshot: Path, where: str) -> list[str]:
+    """A snapshot with no bench rows: the GPU (from a verification's fingerprint) and what was verified."""
+    reports = [json.loads(path.read_text()) for path in sorted(snapshot.glob("verify*.json"))]
+    devices = {f["device"] for report in reports for f in report.get("fingerprints", {}).values()}
+    versions = {
+        k: v for report in reports for f in report.get("fingerprints", {}).values() for k, v in f["packages"].items()
+    }
+    gpu = ", ".join(sorted(devices)) or snapshot.parent.name
+    shown = ", ".join(f"{k} {versions[k]}" for k in ("torch", "triton", "helion") if versions.get(k))
+    lines = [f"### {gpu}, kda {snapshot.name} (`{where}/`): verification only", ""]
+    lines += [f"Versions: {shown}. Nothing on this GPU is timed here: a bench row needs FLA beside it.", ""]
+    return lines + verifications(snapshot, where)
 
 
 def render(results: Path) -> str:

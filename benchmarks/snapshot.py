@@ -9,7 +9,8 @@ versions (``env.txt``). It is made from the raw output of ``benchmarks/device/me
         --bench raw/bench/results.json raw/train-bench/results.json \\
         --verify raw/verify/verify.json --env raw/env.txt
 
-Bench rows are merged by (shape, mode, backend): the last file that measured a backend at a shape in a
+A snapshot may hold verification alone (``--verify`` without ``--bench``: a GPU where nothing was timed
+against FLA). Bench rows are merged by (shape, mode, backend): the last file that measured a backend at a shape in a
 mode supplies its row, so a run that times only some backends (a new one beside FLA, say) adds or replaces
 those rows and keeps the others. Every row carries its own FLA time (``fla_median_ms``, FLA timed in the
 row's own process) and its ``pct_fla`` against it, so a ratio never mixes processes; a row without FLA
@@ -121,14 +122,17 @@ def verify_summary(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="benchmarks/results/<gpu>/<kda version>")
-    parser.add_argument("--bench", type=Path, nargs="+", required=True, help="results.json files, oldest first")
+    parser.add_argument(
+        "--bench", type=Path, nargs="+", default=[], help="results.json files, oldest first (none: verification only)"
+    )
     parser.add_argument("--verify", type=Path, nargs="*", default=[], help="kda.verify --json files")
     parser.add_argument("--env", type=Path, help="the machine's versions (env.txt)")
     args = parser.parse_args(argv)
+    if not args.bench and not args.verify:
+        parser.error("give --bench, --verify or both")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    data = merge_bench(args.bench)
-    written = results.write(data, args.out)
+    written = results.write(merge_bench(args.bench), args.out) if args.bench else True
     if args.verify:
         report = merge_verify(args.verify)
         (args.out / "verify.json").write_text(json.dumps(report, indent=1) + "\n")

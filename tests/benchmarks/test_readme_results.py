@@ -213,3 +213,22 @@ def test_a_new_backend_version_replaces_what_was_verified_of_the_old_one_and_a_s
     assert lines[0].startswith("- `helion`: 1 case classes passed, 0 failed, 1 not run (the run was stopped before")
     assert lines[1].startswith("- `triton`: 1 case classes passed, 1 failed, at most")
     assert "1 not run" in snapshot.verify_summary(merged)
+
+
+def test_a_snapshot_of_verification_alone_shows_its_gpu_and_verdicts(tmp_path):
+    """A GPU where nothing was timed beside FLA still shows what was verified there, and nothing timed."""
+    folder = tmp_path / "results" / "some-gpu" / "0.1.0"
+    folder.mkdir(parents=True)
+    fingerprint = {"backend_version": "4", "device": "Some GPU", "packages": {"torch": "2.11", "helion": "1.5.0"}}
+    results = [
+        {"backend": "helion", "case_class": f"class{n}", "status": status, "worst_ratio": 0.25, "cases": [{}, {}]}
+        for n, status in enumerate(["pass", "pass", "fail", "unsupported"])
+    ]
+    report = {"kda": "0.1.0", "device": "cuda", "fingerprints": {"helion": fingerprint}, "results": results}
+    (tmp_path / "verify.json").write_text(json.dumps(report))
+    assert snapshot.main(["--out", str(folder), "--verify", str(tmp_path / "verify.json")]) == 0
+    assert not (folder / "results.json").exists()
+    text = readme_results.render(tmp_path / "results")
+    assert "### Some GPU, kda 0.1.0" in text and "verification only" in text
+    assert "- `helion`: 2 case classes passed, 1 failed" in text
+    assert " ms" not in text  # no timing

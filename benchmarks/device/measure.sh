@@ -27,8 +27,8 @@
 #   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
 #   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel at STAGE_SHAPES (default
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
-#                the cases of the d256 training class that faulted (HELION_FAULT_CASE) with a synchronize after
-#                each launch, which names a faulting kernel
+#                the cases of the d256 training class that faulted (HELION_FAULT_CASE; empty skips it) with a
+#                synchronize after each launch, which names a faulting kernel
 #   helion-decode benchmarks/helion_decode.py: a Helion decode step (T = 1) against the triton backend's and
 #                FLA's, CUDA-graph replays, at HELION_DECODE_SHAPES (default its six) over its configurations
 #   helion-compile the helion backend's first call in a fresh process (kda.bench.cold, verification off) at
@@ -185,21 +185,24 @@ for target in "$@"; do
     ;;
   helion-stages)
     mkdir -p "$OUT/helion-stages"
+    fault_case=${HELION_FAULT_CASE-safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train}
+    reserve=90; [ -z "$fault_case" ] && reserve=20  # time kept for the fault class's run, when there is one
     for mode in ${MODES:-fwd fwd_pregated train_safe}; do
       # shellcheck disable=SC2086
-      KDA_VERIFY=off timeout "$(left 90)" python3 benchmarks/helion_stages.py --mode "$mode" \
+      KDA_VERIFY=off timeout "$(left $reserve)" python3 benchmarks/helion_stages.py --mode "$mode" \
         ${STAGE_SHAPES:-B4_T2048_H16_D128} >> "$OUT/helion-stages/kernels.txt" 2>&1
     done
+    if [ -z "$fault_case" ]; then grep -v -i warn "$OUT/helion-stages/kernels.txt" | tail -60; continue; fi
     # the d256 training class that faulted, its own cases, each launch synchronized (names the kernel)
     timeout "$(left 20)" python3 benchmarks/helion_stages.py --sync-each \
-      --case "${HELION_FAULT_CASE:-safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train}" > "$OUT/helion-stages/d256.txt" 2>&1
+      --case "$fault_case" > "$OUT/helion-stages/d256.txt" 2>&1
     fault=$?
     echo "helion-stages d256: exit $fault"
     if [[ $fault != 0 ]] && command -v compute-sanitizer > /dev/null; then
       # the same run under memcheck: the faulting access's kernel, address and thread (Firecracker
       # machines only; on gVisor the sanitizer refuses the device, which the file then says)
       timeout "$(left 15)" compute-sanitizer --tool memcheck --print-limit 8 python3 benchmarks/helion_stages.py \
-        --sync-each --case "${HELION_FAULT_CASE:-safe/qk/sig2/fp16/varlen/gva/h0+ht/c64/d256/train}" \
+        --sync-each --case "$fault_case" \
         > "$OUT/helion-stages/memcheck.txt" 2>&1
       echo "helion-stages memcheck: exit $?"; grep -m 20 -E "Invalid|at 0x|by thread|Address|ERROR SUMMARY" \
         "$OUT/helion-stages/memcheck.txt"

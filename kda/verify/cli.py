@@ -97,13 +97,27 @@ def _class_of(key: str) -> Any:
 NOT_RUN = "not run"
 
 
-class _Stopped(Exception):
-    """Raised in the main thread by SIGTERM: the run stops and reports what it has."""
+class _Stopped(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM: the run stops and reports what it has. An interrupt, not an
+    error: the verifier fails a case for any error its backend raises, and a library catches `Exception`,
+    but both let a KeyboardInterrupt through, so a stop never becomes a failing class."""
+
+
+_STOP: list[str] = []  # the signal that stopped this run, once one has (see `_raise_if_stopped`)
 
 
 def _stop_on_signal(signum: int, frame: Any) -> None:
     signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not cut the report short
-    raise _Stopped(signal.Signals(signum).name)
+    _STOP.append(signal.Signals(signum).name)
+    raise _Stopped(_STOP[-1])
+
+
+def _raise_if_stopped() -> None:
+    """Raises `_Stopped` when a signal has stopped the run: code that catches everything (a tracer that
+    wraps whatever its traced function raised) can turn the stop into a case's error, and that class's
+    result is then the stop's, not the backend's; it must be neither reported nor recorded."""
+    if _STOP:
+        raise _Stopped(_STOP[0])
 
 
 def _cell(entry: dict[str, Any]) -> str:
@@ -181,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     store = default_store()
     started = time.perf_counter()
     stopped: str | None = None
+    _STOP.clear()
     in_main_thread = threading.current_thread() is threading.main_thread()  # where Python delivers signals
     previous = signal.signal(signal.SIGTERM, _stop_on_signal) if in_main_thread else None
     try:
@@ -301,6 +316,7 @@ def _run_here(args, runnable, classes, device, progress, task, store, err, worke
             if isinstance(cc, RecurrentCaseClass)
             else verify_class(backend, cc, device, quick=args.quick)
         )
+        _raise_if_stopped()  # a class the stop landed in has no result of its own
         entry = _entry(backend.name, result)
         lost = _context_lost(device)
         if lost is not None:

@@ -506,6 +506,38 @@ def test_cli_stopped_by_sigterm_reports_what_it_verified_and_the_rest_as_not_run
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "wrapped-by-a-library"])
+def test_cli_stopped_inside_a_backends_call_neither_fails_nor_records_that_class(
+    tmp_path, capsys, monkeypatch, wrapped
+):
+    """The signal lands while a backend computes (where the verifier fails a case for any error), or in a
+    library that catches everything and raises its own error (as a tracer does): the class is "not run",
+    never "fail", and no record says it failed; the class before it keeps its pass."""
+    backend = kda.get_backend("torch")
+    real_forward = type(backend).forward
+    calls = []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second class's first case
+            if not wrapped:
+                os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except BaseException as error:  # a library's own handler
+                raise RuntimeError(f"traced call failed: {error!r}") from error
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(backend), "forward", forward)
+    out_json = tmp_path / "report.json"
+    argv = ["--backend", "torch", "--quick", "--device", "cpu", "--case", CHEAP, "--case", CHEAP_2]
+    assert cli.main([*argv, "--json", str(out_json)]) == 1
+    assert "1 passed, 0 failed, 1 not run (stopped by SIGTERM)" in capsys.readouterr().out
+    status = {r["case_class"]: r["status"] for r in read_json(out_json)["results"]}
+    assert status == {CHEAP: "pass", CHEAP_2: cli.NOT_RUN}
+    assert default_store().get(backend, "cpu", CHEAP_2) is None
+
+
 def test_cli_jobs_stopped_by_sigterm_end_their_workers_and_keep_what_they_finished(tmp_path, capsys, monkeypatch):
     """With --jobs, a stop while a worker still runs: that worker is ended (not left running), the classes
     the others finished are in the report, and the hung worker's class is "not run"."""

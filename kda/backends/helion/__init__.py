@@ -82,10 +82,10 @@ class HelionBackend(Backend):
                 )
         if spec.requires_grad and spec.device.type == "cuda" and max(spec.K, spec.V) > TRAINING_HEAD_DIM_LIMIT:
             broken.append(
-                f"training at head dims above {TRAINING_HEAD_DIM_LIMIT} (K={spec.K}, V={spec.V}): on the H200 a "
-                "compiled backward kernel faults at 256 in some classes (illegal memory access in fp16 varlen GVA "
-                "training, found by `kda.verify`; three other d256 training classes pass and the interpreter "
-                "computes every one right), so it is not offered there"
+                f"training at head dims above {TRAINING_HEAD_DIM_LIMIT} (K={spec.K}, V={spec.V}): on the H200 and "
+                "H100 the compiled `state_backward` faults at 256 in some classes (illegal memory access in fp16 "
+                "varlen GVA training, found by `kda.verify`; three other d256 training classes pass and the "
+                "interpreter computes every one right), so it is not offered there"
             )
         if spec.use_graph and spec.is_varlen and spec.device.type == "cuda":
             broken.append("use_graph with cu_seqlens: lays out its chunks from cu_seqlens' values on the host")

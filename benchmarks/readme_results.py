@@ -242,7 +242,8 @@ def verification_section(snapshot: Path, where: str) -> list[str]:
 
 def render(results: Path) -> str:
     lines = [BEGIN, ""]
-    for snapshot in newest_snapshots(results):
+    # GPUs with timings first; a verification-only snapshot after them
+    for snapshot in sorted(newest_snapshots(results), key=lambda p: not (p / "results.json").is_file()):
         lines += section(snapshot)
     return "\n".join([*lines, END])
 

@@ -24,7 +24,8 @@
 #                torch.compile: pytest -m gpu over tests/test_compile.py and tests/recurrent
 #   sweep        benchmarks/triton_stages.py: the forward's stages and launch variants at SWEEP_SHAPE, then
 #                the training kernels' variants (--train-sweep, one variant a process)
-#   profile      benchmarks/profile_kernels.py: per-kernel times of FLA and triton at SWEEP_SHAPE
+#   profile      benchmarks/profile_kernels.py: per-kernel times (torch's profiler: every GPU kernel of a call,
+#                torch's own included) of PROFILE_BACKENDS (default "baseline:fla triton") at SWEEP_SHAPE
 #   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel at STAGE_SHAPES (default
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
 #                the cases of the d256 training class that faulted (HELION_FAULT_CASE; empty skips it) with a
@@ -69,12 +70,14 @@
 # Every step runs under one deadline (DEADLINE_S, default 560 s: the device tool stops a command at 600 s),
 # so what finished comes back. At the end every output but state.tgz is packed into $OUT/outputs.tgz (the
 # device tool brings back at most 8 files; `tar xzf outputs.tgz` gives the <target>/ folders and env.txt).
-# Triton's autotune results (FLA tunes for minutes at each new shape) and
-# kda's records and timing table are packed into $OUT/state.tgz: keep it as .device/state.tgz and the
-# next run starts from it. A new machine here has no .device/: benchmarks/device/autotune.tgz, in git,
-# holds the autotune results alone and is unpacked first (`bash benchmarks/device/keep_autotune.sh
-# state.tgz` refreshes it from a run's state; results of other Triton or FLA versions are ignored by
-# Triton's own cache key). Curate the output into a snapshot with benchmarks/snapshot.py.
+# Triton's autotune results (FLA tunes for minutes at each new shape), kda's records and timing table, and
+# the card's name are packed into $OUT/state.tgz: keep it as .device/state.tgz and the next run on the same
+# card starts from it (on another card it is left packed: Triton keys its results by architecture, not card,
+# so an H100's choices would time FLA on an H200 at another card's tuning). A new machine here has no
+# .device/: benchmarks/device/autotune/<gpu>.tgz, in git, holds one card's autotune results alone and is
+# unpacked first (`bash benchmarks/device/keep_autotune.sh state.tgz GPU` refreshes it from a run's state;
+# results of other Triton or FLA versions are ignored by Triton's own cache key). Curate the output into a
+# snapshot with benchmarks/snapshot.py.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,20p "$0"; exit 2; }
 START=$(date +%s)
@@ -93,9 +96,16 @@ source .device/setup.sh
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 KDA_CACHE_DIR=/tmp/kda-cache
 export TILELANG_CACHE_DIR=/tmp/tilelang-cache  # compiled TileLang kernels: not kept (17 MB, past what comes back)
 mkdir -p "$TRITON_CACHE_DIR" "$KDA_CACHE_DIR" "$TILELANG_CACHE_DIR" "$OUT"
-if [ ! -f /tmp/.kda-state-unpacked ]; then  # the autotune results in git, then this checkout's own state over them
-  [ -f benchmarks/device/autotune.tgz ] && tar xzf benchmarks/device/autotune.tgz -C /tmp
-  [ -f .device/state.tgz ] && tar xzf .device/state.tgz -C /tmp
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr '[:upper:]' '[:lower:]' \
+  | sed -E 's/[^a-z0-9]+/-/g; s/^-+//; s/-+$//')
+GPU=${GPU:-unknown}
+if [ ! -f /tmp/.kda-state-unpacked ]; then  # this card's autotune results in git, then this checkout's own state
+  [ -f "benchmarks/device/autotune/$GPU.tgz" ] && tar xzf "benchmarks/device/autotune/$GPU.tgz" -C /tmp
+  if [ -f .device/state.tgz ]; then
+    kept_for=$(tar xzOf .device/state.tgz gpu.txt 2>/dev/null)
+    if [ "$kept_for" = "$GPU" ]; then tar xzf .device/state.tgz -C /tmp kda-cache triton-cache 2>/dev/null
+    else echo "measure.sh: .device/state.tgz was kept on '${kept_for:-an unnamed card}', this is '$GPU': not used"; fi
+  fi
   touch /tmp/.kda-state-unpacked
 fi
 { date -u +"date: %Y-%m-%dT%H:%M:%SZ"
@@ -178,7 +188,9 @@ for target in "$@"; do
   profile)
     mkdir -p "$OUT/profile"
     for mode in ${MODES:-fwd train_safe}; do
-      KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/profile_kernels.py --backend baseline:fla --backend triton \
+      # shellcheck disable=SC2046
+      KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/profile_kernels.py \
+        $(printf -- '--backend %s ' ${PROFILE_BACKENDS:-baseline:fla triton}) \
         --mode "$mode" "$SWEEP_SHAPE" >> "$OUT/profile/kernels.txt" 2>&1
     done
     tail -n 40 "$OUT/profile/kernels.txt"
@@ -333,8 +345,8 @@ for target in "$@"; do
 done
 
 [ -n "${TUNING:-}" ] && { wait "$TUNING"; echo "tune-fla: exit $?"; tail -n 3 "$OUT/tune-fla/log.txt"; }
-(cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list 2>/dev/null
- tar czf "$OUT/state.tgz" kda-cache -T /tmp/autotune.list 2>/dev/null)
+(cd /tmp && find triton-cache -name '*.autotune.json' > /tmp/autotune.list 2>/dev/null && echo "$GPU" > gpu.txt
+ tar czf "$OUT/state.tgz" gpu.txt kda-cache -T /tmp/autotune.list 2>/dev/null)
 (cd "$OUT" && tar czf /tmp/outputs.tgz --exclude=./state.tgz . && find . -type f ! -name state.tgz -delete \
  && find . -mindepth 1 -type d -empty -delete && mv /tmp/outputs.tgz outputs.tgz)
 ls -la "$OUT"

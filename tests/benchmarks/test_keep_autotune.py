@@ -28,10 +28,15 @@ def _state(tmp_path: Path, files: dict[str, str]) -> Path:
     return archive
 
 
-def _run(folder: Path, state: Path) -> subprocess.CompletedProcess:
-    script = folder / "keep_autotune.sh"  # writes autotune.tgz beside itself
+GPU = "NVIDIA H100 80GB HBM3"
+KEPT = Path("autotune") / "nvidia-h100-80gb-hbm3.tgz"  # the card's archive, beside the script
+
+
+def _run(folder: Path, state: Path, *gpu: str) -> subprocess.CompletedProcess:
+    script = folder / "keep_autotune.sh"  # writes autotune/<gpu>.tgz beside itself
     shutil.copy(SCRIPT, script)
-    return subprocess.run(["bash", str(script), str(state)], capture_output=True, text=True, timeout=60)
+    args = gpu or (GPU,)
+    return subprocess.run(["bash", str(script), str(state), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_it_keeps_the_autotune_results_alone_and_packs_them_the_same_each_time(tmp_path):
@@ -49,20 +54,41 @@ def test_it_keeps_the_autotune_results_alone_and_packs_them_the_same_each_time(t
     result = _run(folder, state)
     assert result.returncode == 0, result.stderr
     assert "2 autotune results" in result.stdout
-    with tarfile.open(folder / "autotune.tgz") as tar:
+    with tarfile.open(folder / KEPT) as tar:
         kept = sorted(member.name for member in tar.getmembers() if member.isfile())
         assert all(member.mtime == 0 and member.uid == 0 for member in tar.getmembers())
     assert kept == ["triton-cache/h1/chunk_fwd.autotune.json", "triton-cache/h2/solve.autotune.json"]
-    first = (folder / "autotune.tgz").read_bytes()
+    first = (folder / KEPT).read_bytes()
+    assert _run(folder, state, "nvidia-h100-80gb-hbm3").returncode == 0  # the folder's name for the card
+    assert (folder / KEPT).read_bytes() == first  # an unchanged set: an unchanged file
+
+
+def test_each_card_keeps_its_own_archive(tmp_path):
+    """Triton keys its results by architecture, so an H100's choices must not land where an H200 looks."""
+    state = _state(tmp_path, {"triton-cache/h1/chunk_fwd.autotune.json": '{"configs_timings": [1]}'})
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    assert _run(folder, state, "NVIDIA H200").returncode == 0
     assert _run(folder, state).returncode == 0
-    assert (folder / "autotune.tgz").read_bytes() == first  # an unchanged set: an unchanged file
+    assert sorted(p.name for p in (folder / "autotune").iterdir()) == ["nvidia-h100-80gb-hbm3.tgz", "nvidia-h200.tgz"]
+
+
+def test_no_card_named_is_a_usage_error(tmp_path):
+    state = _state(tmp_path, {"triton-cache/h1/chunk_fwd.autotune.json": "{}"})
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    shutil.copy(SCRIPT, folder / "keep_autotune.sh")
+    result = subprocess.run(["bash", str(folder / "keep_autotune.sh"), str(state)], capture_output=True, text=True)
+    assert result.returncode != 0 and "usage" in result.stderr
+    assert not (folder / "autotune").exists()
 
 
 @pytest.mark.parametrize("kind", ["missing", "no-autotune-results"])
 def test_a_missing_or_empty_state_is_refused_and_the_kept_file_stays(tmp_path, kind):
     folder = tmp_path / "repo"
     folder.mkdir()
-    (folder / "autotune.tgz").write_bytes(b"the kept results")
+    (folder / "autotune").mkdir()
+    (folder / KEPT).write_bytes(b"the kept results")
     if kind == "missing":
         state, status = tmp_path / "absent.tgz", 2
     else:
@@ -70,4 +96,4 @@ def test_a_missing_or_empty_state_is_refused_and_the_kept_file_stays(tmp_path, k
     result = _run(folder, state)
     assert result.returncode == status
     assert len(result.stderr.strip().splitlines()) == 1 and "keep_autotune.sh" in result.stderr
-    assert (folder / "autotune.tgz").read_bytes() == b"the kept results"
+    assert (folder / KEPT).read_bytes() == b"the kept results"

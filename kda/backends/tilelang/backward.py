@@ -4,8 +4,10 @@
 Saved by the forward (`forward.tilelang_forward`): ``q_e``, ``k_g``, ``w [NT, HV, C, K]``,
 ``A_qk [NT, HV, C, C]`` and ``h [NT, HV, K, V]`` in the inputs' dtype (the values the forward multiplied by;
 the state backward reads them); ``v_new [NT, HV, C, V]``, ``G [NT, HV, C, K]``, ``G_last [NT, HV, K]``,
-``beta [NT, HV, C]``, ``M`` and ``T [NT, HV, C, C]`` in fp32; the rows ``q``, ``k [tokens, H, K]`` the forward
-used (normalized with the l2norm, in fp32, with their reciprocal norms ``[tokens, H]``; else the inputs).
+``beta [NT, HV, C]``, ``M`` and ``T [NT, HV, C, C]`` in fp32; with the l2norm the reciprocal norms ``r`` of q's
+and k's rows ``[tokens, H]`` in fp32. ``q`` and ``k`` are read as the call gave them (autograd's saved inputs,
+``[tokens, H, K]``): `chunk_backward`, `score_backward` and `qk_tail` form the rows the forward used, ``x r``
+in fp32, where they read them.
 
 Scratch, chunk-major fp32: ``dh [NT, HV, K, V]`` (of the state leaving each chunk), ``dv_new [NT, HV, C, V]``,
 ``dq``/``dk``/``dG`` per value head ``[NT, HV, C, K]`` (`chunk_backward` writes them, `score_backward`
@@ -63,13 +65,17 @@ def tilelang_backward(
         dq_c, dk_c, dG_c = (torch.empty(NT, HV, C, K, dtype=f32, device=device) for _ in range(3))
         dP_qk, dP_kk = (torch.empty(NT, HV, C, C, dtype=f32, device=device) for _ in range(2))
         dbeta_c = torch.empty(NT, HV, C, dtype=f32, device=device)
-        q, k = saved["q"], saved["k"]
+        q, k = inputs.q.reshape(tokens, H, K).contiguous(), inputs.k.reshape(tokens, H, K).contiguous()
+        # without the l2norm the kernels are compiled without scales: a placeholder none reads
+        rstd_q = saved["rstd_q"] if saved["rstd_q"] is not None else placeholder
+        rstd_k = saved["rstd_k"] if saved["rstd_k"] is not None else placeholder
         compiled["chunk_backward"](
-            do, inputs.v.reshape(tokens, HV, V).contiguous(), q, k, saved["G"], saved["beta"], saved["T"], saved["M"],
-            saved["h"], dh, saved["v_new"], dv_new, starts, ends, dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
+            do, inputs.v.reshape(tokens, HV, V).contiguous(), q, k, rstd_q, rstd_k, saved["G"], saved["beta"],
+            saved["T"], saved["M"], saved["h"], dh, saved["v_new"], dv_new, starts, ends,
+            dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c,
         )  # fmt: skip
         del dh, dv_new
-        compiled["score_backward"](q, k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
+        compiled["score_backward"](q, k, rstd_q, rstd_k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
         del dP_qk, dP_kk
         dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
         dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
@@ -84,8 +90,8 @@ def tilelang_backward(
         del dG_c, dbeta_c
         dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
         dk = torch.empty(tokens, H, K, dtype=inputs.k.dtype, device=device)
-        for x_hat, rstd, dx_c, dx in ((q, saved["rstd_q"], dq_c, dq), (k, saved["rstd_k"], dk_c, dk)):
-            compiled["qk_tail"](x_hat, rstd if rstd is not None else placeholder, dx_c, starts, ends, dx)
+        for x, rstd, dx_c, dx in ((q, rstd_q, dq_c, dq), (k, rstd_k, dk_c, dk)):
+            compiled["qk_tail"](x, rstd, dx_c, starts, ends, dx)
     else:  # every sequence empty: nothing but the state's own gradient
         dg32 = torch.zeros(tokens, HV, K, dtype=f32, device=device)
         dbeta = torch.zeros(tokens, HV, dtype=inputs.beta.dtype, device=device)

@@ -10,7 +10,8 @@ and ``Y = beta v`` (so ``w = T X``, ``u = T Y``)::
     dv = beta dY                                                   (final: v enters nowhere else)
     dbeta = sum_v dY v + sum_c dX k exp(G) + sum_j dA_kk M         (M = A_kk / beta, kept by the forward)
 
-then, on the normalized rows and the cumulative log decay, everything but the score matrices' part::
+then, on the rows the forward used (``q``, ``k``; with the l2norm ``x r``, below) and the cumulative log
+decay, everything but the score matrices' part::
 
     dq  = scale exp(G) dq_e
     dk  = beta exp(G) dX + exp(G_last - G) dk_g
@@ -23,8 +24,9 @@ and the score matrices' gradients for the score backward: ``dP_qk = scale dA_qk`
 ``dP_kk = diag(beta) dA_kk``. ``G_last`` is ``G``'s last row (rows past the end hold the last token's value).
 
 Tensors (``tokens``, ``NT``, ``H``, ``HV`` symbolic; value head ``hv`` reads q/k head ``hv // (HV // H)``):
-``do``, ``v`` ``[tokens, HV, V]`` in the inputs' dtype; the rows ``q``, ``k`` ``[tokens, H, K]`` in
-`rows_dtype` (fp32 when l2-normalized by the forward, else the inputs); chunk-major ``G``
+``do``, ``v`` ``[tokens, HV, V]`` and ``q``, ``k`` ``[tokens, H, K]`` as the call gave them, in the inputs'
+dtype; with the l2norm ``rstd_q``, ``rstd_k [tokens, H]`` fp32, each row's ``r = 1 / |x|`` as `intra` formed
+it (else one-element placeholders, never read); chunk-major ``G``
 ``[NT, HV, C, K]``, ``beta`` ``[NT, HV, C]``, ``T``, ``M`` ``[NT, HV, C, C]``, ``dh`` ``[NT, HV, K, V]``,
 ``v_new`` and ``dv_new`` ``[NT, HV, C, V]`` in fp32; ``h`` ``[NT, HV, K, V]`` in the inputs' dtype. Out: ``dv [tokens, HV, V]`` (inputs' dtype, the sequence's rows
 only), fp32 ``dq_c``, ``dk_c``, ``dG_c`` ``[NT, HV, C, K]``, ``dP_qk``, ``dP_kk`` ``[NT, HV, C, C]``,
@@ -55,10 +57,16 @@ in shared memory for the whole chunk): ``dA_qk``, ``dY`` (then ``dv`` and the fi
 ``dw``, ``dk_g``, ``dX``, the outputs on those columns and ``dT``'s second term (``dT`` needs every key
 column before ``dA_kk``). Last ``dA_kk`` from ``dT``, with the ``M`` part of ``dbeta``.
 
+Rows. With the l2norm the forward stores no normalized rows: ``q`` and ``k`` come as the call gave them, a
+``[C, BK]`` tile each in shared memory in the inputs' dtype, with the chunk's ``r`` in fp32 ``[C]`` buffers,
+and `used` forms ``x r`` in fp32 at each use (``X``'s halves, ``k exp(G)``, ``q_e``, ``k_g``): the fp32 value
+`intra` formed, so the numbers are those of fp32 rows read from memory.
+
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic. Shared
-memory does not grow with ``K`` (blocked): 185344 bytes a block at C = 64, K = V = 128 with fp32 rows, so
-one block an SM, where nvcc gives 255 registers a thread (256 threads: the whole register file), with 12
-bytes spilled; 25 products, all ``wgmma``. K = 256 fits; V = 256 does not at C = 64 (``V`` is not tiled).
+memory does not grow with ``K`` (blocked): 177152 bytes a block at C = 64, K = V = 128, so one block an SM,
+where nvcc gives 255 registers a thread (256 threads: the whole register file) and spills nothing (with fp32
+rows in shared memory: 185344 bytes, 12 bytes spilled); 25 products, all ``wgmma``. K = 256 fits; V = 256
+does not at C = 64 (``V`` is not tiled).
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which mypy cannot read)
@@ -82,7 +90,9 @@ def key_block(K: int) -> int:
 
 
 @functools.cache
-def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
+def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
+    """The kernel for chunk `C`, head dims `K`, `V`, inputs of `dtype` and the call's `scale`; with `l2norm`
+    it reads each row's ``r`` and uses ``x r`` where the rows enter (`used`)."""
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")
     f32 = "float32"
@@ -90,6 +100,7 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
     BK = key_block(K)
     blocks = K // BK
     threads = threads_for(C)
+    scales = (tokens, H) if l2norm else (1,)
 
     def high(x):
         """``x`` (fp32) rounded to the inputs' dtype: the high half of ``x = high + low``."""
@@ -99,12 +110,20 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
         """What `high` drops, rounded to the inputs' dtype."""
         return T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
 
+    def used(x_s, r_s, i, d):
+        """Row ``i``, column ``d`` of q or k as the forward used it, in fp32: ``x r`` with the l2norm (`intra`'s
+        product, so the same fp32 value), else ``x``."""
+        x = T.cast(x_s[i, d], f32)
+        return x * r_s[i] if l2norm else x
+
     @T.prim_func
     def chunk_backward_kernel(
         do: T.Tensor((tokens, HV, V), dtype),
         v: T.Tensor((tokens, HV, V), dtype),
-        q: T.Tensor((tokens, H, K), rows_dtype),  # the rows the forward used (fp32 when l2-normalized)
-        k: T.Tensor((tokens, H, K), rows_dtype),
+        q: T.Tensor((tokens, H, K), dtype),  # as given
+        k: T.Tensor((tokens, H, K), dtype),
+        rstd_q: T.Tensor(scales, f32),  # with the l2norm: each row's r = 1 / |q|
+        rstd_k: T.Tensor(scales, f32),
         G: T.Tensor((NT, HV, C, K), f32),
         beta: T.Tensor((NT, HV, C), f32),
         T_inv: T.Tensor((NT, HV, C, C), f32),  # T = (I + A_kk)^-1 (`T` names TileLang's language here)
@@ -138,6 +157,10 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
             T_hi = T.alloc_shared((C, C), dtype)
             T_lo = T.alloc_shared((C, C), dtype)
             b_s = T.alloc_shared((C,), f32)
+            # the chunk's rows' r, for every key block (0 past the end, where the rows load as 0); without the
+            # l2norm nothing reads them and TileLang allocates nothing
+            r_q = T.alloc_shared((C,), f32)
+            r_k = T.alloc_shared((C,), f32)
             # dbeta's parts, one row each: the value side's, then each key block's. A loop over fewer
             # elements than threads gives an element to several threads, so shared memory is only ever
             # written with values (all threads write the same), never read-modified-written
@@ -151,8 +174,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
             dh_hi = T.alloc_shared((BK, V), dtype)
             dh_lo = T.alloc_shared((BK, V), dtype)
             G_s = T.alloc_shared((C, BK), f32)
-            k_s = T.alloc_shared((C, BK), rows_dtype)
-            q_s = T.alloc_shared((C, BK), rows_dtype)
+            k_s = T.alloc_shared((C, BK), dtype)  # as given: `used` forms the rows in fp32
+            q_s = T.alloc_shared((C, BK), dtype)
             x_hi = T.alloc_shared((C, BK), dtype)  # k exp(G): X without beta
             x_lo = T.alloc_shared((C, BK), dtype)
             dw_hi = T.alloc_shared((C, BK), dtype)
@@ -193,6 +216,11 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
                 T_lo[i, j] = low(t)
             for i in T.Parallel(C):
                 b_s[i] = beta[c, hv, i]
+            if l2norm:
+                for i in T.Parallel(C):
+                    ok = start + i < end
+                    r_q[i] = T.if_then_else(ok, rstd_q[start + i, head], 0.0)
+                    r_k[i] = T.if_then_else(ok, rstd_k[start + i, head], 0.0)
 
             T.gemm(do_s, vn_hi, dA, transpose_B=True, clear_accum=True)
             T.gemm(do_s, vn_lo, dA, transpose_B=True)
@@ -221,8 +249,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
                     dh_lo[i, j] = low(x)
                 for i, j in T.Parallel(C, BK):
                     ok = start + i < end
-                    k_s[i, j] = T.if_then_else(ok, k[start + i, head, k0 + j], T.cast(0, rows_dtype))
-                    q_s[i, j] = T.if_then_else(ok, q[start + i, head, k0 + j], T.cast(0, rows_dtype))
+                    k_s[i, j] = T.if_then_else(ok, k[start + i, head, k0 + j], T.cast(0, dtype))
+                    q_s[i, j] = T.if_then_else(ok, q[start + i, head, k0 + j], T.cast(0, dtype))
                 T.gemm(do_s, h_s, dqe, transpose_B=True, clear_accum=True)
                 T.gemm(dvn_hi, h_s, dw, transpose_B=True, clear_accum=True)
                 T.gemm(dvn_lo, h_s, dw, transpose_B=True)
@@ -235,7 +263,7 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
                 for j in T.Parallel(BK):
                     dgl_s[j] = T.exp(G_s[C - 1, j]) * dgl[j]
                 for i, j in T.Parallel(C, BK):
-                    x = T.cast(k_s[i, j], f32) * T.exp(G_s[i, j])
+                    x = used(k_s, r_k, i, j) * T.exp(G_s[i, j])
                     x_hi[i, j] = high(x)
                     x_lo[i, j] = low(x)
                     dw_hi[i, j] = high(-dw[i, j])
@@ -248,11 +276,11 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, rows_dtype: str):
                 T.gemm(T_lo, dw_hi, dX, transpose_A=True)
                 for i, j in T.Parallel(C, BK):
                     e_G = T.exp(G_s[i, j])
-                    k_eG = T.cast(k_s[i, j], f32) * e_G
+                    k_eG = used(k_s, r_k, i, j) * e_G
                     e_tail = T.exp(G_s[C - 1, j] - G_s[i, j])
                     # q_e and k_g in fp32, from the rows and G (their bf16 copies cost dA_log its tolerance)
-                    kg_dk = T.cast(k_s[i, j], f32) * e_tail * dkg[i, j]
-                    q_e_dq = scale * T.cast(q_s[i, j], f32) * e_G * dqe[i, j]
+                    kg_dk = used(k_s, r_k, i, j) * e_tail * dkg[i, j]
+                    q_e_dq = scale * used(q_s, r_q, i, j) * e_G * dqe[i, j]
                     dq_c[c, hv, i, k0 + j] = scale * e_G * dqe[i, j]
                     dk_c[c, hv, i, k0 + j] = b_s[i] * e_G * dX[i, j] + e_tail * dkg[i, j]
                     dG_s[i, j] = dX[i, j] * b_s[i] * k_eG + q_e_dq - kg_dk

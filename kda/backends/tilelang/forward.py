@@ -7,11 +7,13 @@ Intermediates are chunk-major (``[NT, HV, C, ...]``): ``G_last [NT, HV, K]`` in 
 leaves the intra kernel's shared memory); ``q_e``, ``k_g``, ``w [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and
 ``h [NT, HV, K, V]`` in the inputs' dtype. When the call trains, `intra` also writes what the backward reads
 and nothing else computes: ``G [NT, HV, C, K]``, ``beta [NT, HV, C]``, ``M = A_kk / beta`` and
-``T = (I + A_kk)^-1 [NT, HV, C, C]``, all fp32, and with the l2norm the normalized ``q``, ``k``
-``[tokens, H, K]`` in fp32 and their reciprocal norms ``[tokens, H]``; these, the intermediates above and the
-layout go to `backward` as ``saved``. Training also keeps ``u``/``v_new`` in fp32 (and `intra` forms ``w`` and
-``u`` from halves of their fp32 operands): the backward's ``dA_log`` needs them exact (`intra`'s docstring);
-``q_e``, ``k_g``, ``w``, ``A_qk`` and ``h`` stay in the inputs' dtype, the values the forward multiplied by.
+``T = (I + A_kk)^-1 [NT, HV, C, C]``, all fp32, and with the l2norm the reciprocal norms ``r`` of q's and k's
+rows, ``[tokens, H]`` fp32 (the backward forms the normalized rows ``x r`` from the inputs, autograd's saved
+tensors, and ``r``: storing them in fp32 cost 8 bytes a token, head and key column); these, the
+intermediates above and the layout go to `backward` as ``saved``. Training also keeps ``u``/``v_new`` in
+fp32 (and `intra` forms ``w`` and ``u`` from halves of their fp32 operands): the backward's ``dA_log`` needs
+them exact (`intra`'s docstring); ``q_e``, ``k_g``, ``w``, ``A_qk`` and ``h`` stay in the inputs' dtype, the
+values the forward multiplied by.
 
 The kernels and their compile-time parameters are `kernels.specializations`'s.
 """
@@ -59,10 +61,6 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     else:
         G = beta = M = T_inv = placeholder
     norms = train and spec.use_qk_l2norm_in_kernel
-    rows_placeholder = torch.zeros(1, dtype=dtype, device=device)  # a placeholder in the rows' own dtype
-    rows = getattr(torch, kernels.rows_dtype(spec, kernels.dtype_name(dtype)))
-    q_n = torch.empty(tokens, H, K, dtype=rows, device=device) if norms else rows_placeholder
-    k_n = torch.empty(tokens, H, K, dtype=rows, device=device) if norms else rows_placeholder
     rstd_q = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
     rstd_k = torch.empty(tokens, H, dtype=f32, device=device) if norms else placeholder
 
@@ -76,7 +74,7 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
         starts, ends = layout.chunk_starts, layout.chunk_seq_ends
         compiled["intra"](
             q, k, v, g, b, A_log, dt_bias, starts, ends, G_last, q_e, k_g, w, u, A_qk,
-            G, beta, M, T_inv, q_n, k_n, rstd_q, rstd_k,
+            G, beta, M, T_inv, rstd_q, rstd_k,
         )  # fmt: skip
     if layout.num_seqs > 0:
         # each sequence's first and end chunk as buffers of their own: a view one element in starts 4 bytes
@@ -93,8 +91,7 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     saved = None
     if train:
         saved = dict(
-            layout=layout, q=q_n if norms else q, k=k_n if norms else k,
-            rstd_q=rstd_q if norms else None, rstd_k=rstd_k if norms else None,
+            layout=layout, rstd_q=rstd_q if norms else None, rstd_k=rstd_k if norms else None,
             G=G, G_last=G_last, beta=beta, M=M, T=T_inv, A_qk=A_qk, q_e=q_e, w=w, k_g=k_g, v_new=u, h=h,
         )  # fmt: skip
     return ForwardResult(o, ht, saved, per_chunk)

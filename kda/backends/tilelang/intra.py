@@ -47,12 +47,13 @@ zeros and store zeros.
 With ``save`` (a training call) the kernel also writes what the backward reads and nothing else computes,
 from buffers it already holds: ``G`` and ``beta`` (fp32, ``[NT, HV, C, K]`` and ``[NT, HV, C]``),
 ``M = A_kk / beta`` (the strip products before beta scales them) and ``T`` (from its fp32 registers),
-``[NT, HV, C, C]`` fp32, and with the l2norm the normalized rows in fp32 and their reciprocal norms
-(``[tokens, H, K]``, ``[tokens, H]``; by the first value head of each group). It also keeps what the
+``[NT, HV, C, C]`` fp32, and with the l2norm the reciprocal norms ``r`` of q's and k's rows (``[tokens, H]``
+fp32, by the first value head of each group). The normalized rows themselves are not stored: the backward
+forms ``x r`` in fp32 from the inputs and ``r``, the value this kernel forms. It also keeps what the
 backward's ``dA_log`` needs exact (a sum over every token of terms of both signs, which the bf16 roundings
 of an inference forward put past its tolerance; `benchmarks/tilelang_backward_precision.py`): ``q_e``,
-``k_g`` and ``beta k exp(G)`` are formed from the fp32 normalized rows, ``w`` and ``u`` multiply ``T`` by
-``beta k exp(G)`` and ``beta v`` as two halves each (``hi = dtype(x)``, ``lo = dtype(x - hi)``; two
+``k_g`` and ``beta k exp(G)`` are formed from the fp32 normalized rows ``x r``, ``w`` and ``u`` multiply
+``T`` by ``beta k exp(G)`` and ``beta v`` as two halves each (``hi = dtype(x)``, ``lo = dtype(x - hi)``; two
 products), and ``u`` leaves in fp32. Without ``save`` those parameters are one-element placeholders and
 the kernel's body is unchanged.
 
@@ -60,7 +61,7 @@ Shared memory and registers decide how many chunks an SM works on at once: at C 
 kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
 (228 KB, 1 KB reserved a block; 65536 registers, all of them). With ``save`` the shared memory is the same
 (``beta k exp(G)``'s low half reuses the strips' column buffer, and TileLang's planner places ``beta v``'s in
-buffers no longer live) and nvcc gives 142 registers: one block an SM. For the shared memory, ``A_qk`` leaves a
+buffers no longer live) and nvcc gives 145 registers: one block an SM. For the shared memory, ``A_qk`` leaves a
 strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and the last Neumann round rounds ``T``
 straight from its registers into the operand of ``w`` and ``u``.
 
@@ -139,7 +140,7 @@ def build(
     def saved(*shape):  # what training keeps for the backward; a placeholder at inference
         return shape if save else (1,)
 
-    norms = save and l2norm  # the normalized rows and their reciprocal norms
+    norms = save and l2norm  # the rows' reciprocal norms
     # training keeps what dA_log needs in fp32 (docs/design.md, "Where dA_log's error comes from"): the
     # normalized rows, and u; the products of w and u take beta k e^G and beta v as two halves each
     exact_rows = norms
@@ -166,9 +167,7 @@ def build(
         beta_out: T.Tensor(saved(NT, HV, C), f32),  # out when training: beta as activated (0 past the end)
         M_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: A_kk / beta, strictly lower
         T_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: (I + A_kk)^-1
-        q_n: T.Tensor((tokens, H, K) if norms else (1,), f32 if norms else dtype),  # out: training, l2norm
-        k_n: T.Tensor((tokens, H, K) if norms else (1,), f32 if norms else dtype),
-        rstd_q: T.Tensor((tokens, H) if norms else (1,), f32),
+        rstd_q: T.Tensor((tokens, H) if norms else (1,), f32),  # out when training with the l2norm: r
         rstd_k: T.Tensor((tokens, H) if norms else (1,), f32),
     ):
         with T.Kernel(NT, HV, threads=threads) as (c, hv):
@@ -242,11 +241,8 @@ def build(
                         k_hat = T.cast(k_s[i, j], f32) * n_k[i]
                         q_e[c, hv, i, j] = T.cast(scale * q_hat * T.exp(G_s[i, j]), dtype)
                         k_g[c, hv, i, j] = T.cast(k_hat * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
-                        if h * group == hv and start + i < end:  # a q/k head's rows once, by its first value head
-                            q_n[start + i, h, j] = q_hat
-                            k_n[start + i, h, j] = k_hat
                     for i in T.Parallel(C):
-                        if h * group == hv and start + i < end:
+                        if h * group == hv and start + i < end:  # a q/k head's rows once, by its first value head
                             rstd_q[start + i, h] = n_q[i]
                             rstd_k[start + i, h] = n_k[i]
                 for i, j in T.Parallel(C, K):

@@ -43,12 +43,6 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def rows_dtype(spec: KDASpec, dtype: str) -> str:
-    """The dtype of the q, k rows a training forward saves for the backward: the l2-normalized rows in fp32
-    (`intra` keeps them exact for ``dA_log``), or the inputs themselves (`dtype`)."""
-    return "float32" if spec.use_qk_l2norm_in_kernel else dtype
-
-
 def specializations(spec: KDASpec) -> list[Kernel]:
     """The kernels of `spec`: the forward's three, and the backward's five when the call trains."""
     C, K, V = spec.chunk_size, spec.K, spec.V
@@ -81,14 +75,14 @@ def _backward(spec: KDASpec, dtype: str, gate_params: tuple[Any, ...]) -> list[K
     """The backward's kernels (``dtype`` the inputs' dtype name, ``gate_params`` as `intra` takes them: gate
     mode, dt_bias, beta sigmoid, the gate's and beta's dtypes, lower bound, beta scale)."""
     C, K, V = spec.chunk_size, spec.K, spec.V
-    rows = rows_dtype(spec, dtype)
+    l2norm = spec.use_qk_l2norm_in_kernel  # the stages read q, k as given, and with the l2norm their scales
     state_flags = (spec.output_final_state, spec.initial_state is not None, spec.state_v_first)
     return [
         Kernel("state_backward", state_backward.build, (C, K, V, state_backward.block_v(K, V), dtype, *state_flags)),
-        Kernel("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale), rows)),
-        Kernel("score_backward", score_backward.build, (C, K, dtype, rows)),
+        Kernel("chunk_backward", chunk_backward.build, (C, K, V, dtype, float(spec.scale), l2norm)),
+        Kernel("score_backward", score_backward.build, (C, K, dtype, l2norm)),
         Kernel("gate_tail", tails.build_gate_tail, (C, K, *gate_params)),
-        Kernel("qk_tail", tails.build_qk_tail, (C, K, dtype, spec.use_qk_l2norm_in_kernel, rows)),
+        Kernel("qk_tail", tails.build_qk_tail, (C, K, dtype, l2norm)),
     ]
 
 

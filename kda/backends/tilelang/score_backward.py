@@ -39,10 +39,16 @@ the three terms ``A_hi B_hi + A_hi B_lo + A_lo B_hi`` accumulated in fp32. The k
 split too (rather than rounded to the inputs' dtype): bf16's range holds ``|x| e^80`` where fp16's would
 overflow at a span of 11, and the split gives them 16 bits, more than either input dtype.
 
+``a`` and ``b`` are the rows the forward used: with the l2norm ``x r``, the inputs ``x`` times each row's
+reciprocal norm ``r`` in fp32, formed where they are read (`used`) from the inputs and ``r`` as `intra`
+formed that product (the same fp32 value: a rounding of the rows here would be one the forward did not
+make, which the CPU replay put at 2.3 times ``dA_log``'s tolerance); else the inputs.
+
 Arguments (``tokens``, ``NT``, ``H``, ``HV`` symbolic; ``group = HV // H``, value head ``hv`` reads q/k head
 ``hv // group``):
 
-    q, k                [tokens, H, K]    dtype    (l2-normalized when the call asks for it)
+    q, k                [tokens, H, K]    dtype    as the call gave them
+    rstd_q, rstd_k      [tokens, H]       fp32     each row's r = 1 / |x| (with the l2norm; else [1], unread)
     G                   [NT, HV, C, K]    fp32     in-chunk cumulative log decay (flat past the end)
     dP_qk, dP_kk        [NT, HV, C, C]    fp32     (only the causal triangles are read: j <= i, j < i)
     chunk_starts        [NT]              int32
@@ -52,9 +58,10 @@ Arguments (``tokens``, ``NT``, ``H``, ``HV`` symbolic; ``group = HV // H``, valu
 Rows past the sequence's end load ``q``, ``k`` as zeros. Grid ``(NT, HV, K / BK)``, 128 threads (one
 warpgroup): a program owns its chunk's rows of its key block, so the read-add-writes never race, and it
 loads its chunk's ``q``, ``k``, ``G`` once for all its strips (a program a strip would load them C / 16
-times). Shared memory is the same at every K: 111104 bytes at chunk 64 (two blocks an H200 SM), 61952 at
-chunk 32; nvcc gives 138 registers a thread at chunk 64 (68 at chunk 32), no spills. The exact block's
-16 steps are a loop, not unrolled: unrolled they took the kernel to 233 registers.
+times). Shared memory is the same at every K: with the l2norm 111616 bytes at chunk 64 (two blocks an H200
+SM; fp32 rows took 127488, one) and 62464 at chunk 32, without it 111104 and 61952; nvcc gives 141
+registers a thread at chunk 64 (80 at chunk 32) with the l2norm, 138 (68) without, no spills. The exact
+block's 16 steps are a loop, not unrolled: unrolled they took the kernel to 233 registers.
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which TileLang evaluates)
@@ -73,12 +80,10 @@ THREADS = 128  # one warpgroup: the M = 64 of every product
 
 
 @functools.cache
-def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
+def build(C: int, K: int, dtype: str, l2norm: bool):
     """The kernel for chunk `C` (32 or 64), key head dim `K` (a multiple of 64) and input dtype `dtype`
-    ("bfloat16" or "float16"); `rows_dtype` is the saved rows' (fp32 when l2-normalized in training: every
-    operand is formed from them in fp32 and split into halves, so a rounding of the rows here would be one
-    the forward did not make, which the CPU replay put at 2.3 times dA_log's tolerance)."""
-    rows_dtype = rows_dtype or dtype
+    ("bfloat16" or "float16"); with `l2norm` the rows are ``x r`` (`used`), formed in fp32 from the inputs
+    and their scales, and every operand is formed from them in fp32 and split into halves."""
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")
     f32 = "float32"
@@ -88,11 +93,19 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
     strips = C // STRIP
     # span <= 80 and step <= 8 as one maximum: the step is weighed 10 times
     step_weight = SPAN_LIMIT / STEP_LIMIT
+    scales = (tokens, H) if l2norm else (1,)
+
+    def used(x_s, r_s, i, d):
+        """Row ``i``, column ``d`` of q or k as the forward used it, in fp32: ``x r`` with the l2norm, else ``x``."""
+        x = T.cast(x_s[i, d], f32)
+        return x * r_s[i] if l2norm else x
 
     @T.prim_func
     def score_backward_kernel(
-        q: T.Tensor((tokens, H, K), rows_dtype),
-        k: T.Tensor((tokens, H, K), rows_dtype),
+        q: T.Tensor((tokens, H, K), dtype),  # as given
+        k: T.Tensor((tokens, H, K), dtype),
+        rstd_q: T.Tensor(scales, f32),  # with the l2norm: each row's r
+        rstd_k: T.Tensor(scales, f32),
         G: T.Tensor((NT, HV, C, K), f32),
         dP_qk: T.Tensor((NT, HV, C, C), f32),
         dP_kk: T.Tensor((NT, HV, C, C), f32),
@@ -108,8 +121,11 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
             end = chunk_seq_ends[c]
             k0 = kb * BK
             G_s = T.alloc_shared((C, BK), f32)
-            q_s = T.alloc_shared((C, BK), rows_dtype)
-            k_s = T.alloc_shared((C, BK), rows_dtype)
+            q_s = T.alloc_shared((C, BK), dtype)  # as given: `used` forms the rows in fp32
+            k_s = T.alloc_shared((C, BK), dtype)
+            # the chunk's rows' r (0 past the end); without the l2norm nothing reads them, nothing is allocated
+            r_q = T.alloc_shared((C,), f32)
+            r_k = T.alloc_shared((C,), f32)
             # the key-side operands, transposed ([key, contraction]), as bf16 halves
             rows_hi = T.alloc_shared((BK, C), SPLIT)  # k_j exp(G_a - G_j): the strip as rows
             rows_lo = T.alloc_shared((BK, C), SPLIT)
@@ -138,8 +154,13 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
             T.copy(G[c, hv, 0, k0], G_s)
             for i, d in T.Parallel(C, BK):
                 ok = start + i < end
-                q_s[i, d] = T.if_then_else(ok, q[start + i, h, k0 + d], T.cast(0, rows_dtype))
-                k_s[i, d] = T.if_then_else(ok, k[start + i, h, k0 + d], T.cast(0, rows_dtype))
+                q_s[i, d] = T.if_then_else(ok, q[start + i, h, k0 + d], T.cast(0, dtype))
+                k_s[i, d] = T.if_then_else(ok, k[start + i, h, k0 + d], T.cast(0, dtype))
+            if l2norm:
+                for i in T.Parallel(C):
+                    ok = start + i < end
+                    r_q[i] = T.if_then_else(ok, rstd_q[start + i, h], 0.0)
+                    r_k[i] = T.if_then_else(ok, rstd_k[start + i, h], 0.0)
 
             for s in T.serial(strips):
                 a = s * STRIP
@@ -158,12 +179,12 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
                 # operands outside their reach are 0 by a select: exp there may be inf, never multiplied. The
                 # loops run along the key block, so that neighbouring threads read neighbouring words
                 for j, d in T.Parallel(C, BK):
-                    x = T.if_then_else(j < cut_rows, T.cast(k_s[j, d], f32) * T.exp(G_s[a, d] - G_s[j, d]), 0.0)
+                    x = T.if_then_else(j < cut_rows, used(k_s, r_k, j, d) * T.exp(G_s[a, d] - G_s[j, d]), 0.0)
                     rows_hi[d, j] = high(x)
                     rows_lo[d, j] = low(x)
                 for j, d in T.Parallel(2 * C, BK):
                     i = j % C
-                    x_in = T.if_then_else(j < C, T.cast(q_s[i, d], f32), T.cast(k_s[i, d], f32))
+                    x_in = T.if_then_else(j < C, used(q_s, r_q, i, d), used(k_s, r_k, i, d))
                     x = T.if_then_else(i >= cut_cols, x_in * T.exp(G_s[i, d] - G_s[e, d]), 0.0)
                     cols_hi[d, j] = high(x)
                     cols_lo[d, j] = low(x)
@@ -204,7 +225,7 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
                     db = T.exp(G_s[e, d] - G_s[row, d]) * acc_c[d, i]
                     out_q[i, d] = da_q
                     out_k[i, d] = da_k + db
-                    out_G[i, d] = T.cast(q_s[row, d], f32) * da_q + T.cast(k_s[row, d], f32) * (da_k - db)
+                    out_G[i, d] = used(q_s, r_q, row, d) * da_q + used(k_s, r_k, row, d) * (da_k - db)
 
                 if span[0] > SPAN_LIMIT:  # the diagonal block exactly: token a + jj as a column and as a row
                     for i, d in T.Parallel(STRIP, BK):
@@ -218,8 +239,8 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
                         ex_c = 0.0
                         for jj in T.serial(STRIP):
                             other = a + jj
-                            k_o = T.cast(k_s[other, d], f32)
-                            q_o = T.cast(q_s[other, d], f32)
+                            k_o = used(k_s, r_k, other, d)
+                            q_o = used(q_s, r_q, other, d)
                             # the selects drop exp's inf above the diagonal; dP's own triangles as above
                             into = T.if_then_else(other <= row, T.exp(G_i - G_s[other, d]), 0.0)
                             out_of = T.if_then_else(other >= row, T.exp(G_s[other, d] - G_i), 0.0)
@@ -229,7 +250,7 @@ def build(C: int, K: int, dtype: str, rows_dtype: str | None = None):
                             ex_c += T.if_then_else(other > row, dP_kk[c, hv, other, row], 0.0) * k_o * out_of
                         out_q[i, d] += ex_q
                         out_k[i, d] += ex_k + ex_c
-                        out_G[i, d] += T.cast(q_s[row, d], f32) * ex_q + T.cast(k_s[row, d], f32) * (ex_k - ex_c)
+                        out_G[i, d] += used(q_s, r_q, row, d) * ex_q + used(k_s, r_k, row, d) * (ex_k - ex_c)
 
                 for i, d in T.Parallel(STRIP, BK):
                     dq_c[c, hv, a + i, k0 + d] += out_q[i, d]

@@ -17,13 +17,14 @@ token's value, so a tail row's ``dG`` belongs to every valid row above it. The h
 for ``ddt_bias`` and ``dA_rows`` for ``dA_log`` (torch sums: a fixed order, no atomics).
 
 `build_qk_tail`, per chunk ``c`` and q/k head: the ``group = HV // H`` value heads' ``dx_c`` summed, then
-with the l2norm (``x^`` the normalized rows the forward used, ``r`` their ``1 / |x|``)::
+with the l2norm (``x`` the rows as given, ``r`` their ``1 / |x|`` as `intra` formed it, ``x^ = x r`` the
+normalized rows the forward used, formed here in fp32 as `intra` formed them)::
 
     dx = r (dx^ - x^ (x^ . dx^))
 
 Shapes (``tokens`` rows of the flattened batch, ``NT`` chunks of ``C`` rows; all sizes but ``C`` and ``K``
 symbolic): ``g [tokens, HV, K]``, ``beta [tokens, HV]``, ``A_log [HV]``, ``dt_bias [HV, K]``,
-``dG_c [NT, HV, C, K]``, ``dbeta_c [NT, HV, C]``, ``x_hat [tokens, H, K]``, ``rstd [tokens, H]``,
+``dG_c [NT, HV, C, K]``, ``dbeta_c [NT, HV, C]``, ``x [tokens, H, K]`` (the inputs' dtype), ``rstd [tokens, H]``,
 ``dx_c [NT, HV, C, K]``, ``chunk_starts`` / ``chunk_seq_ends [NT]`` int32. Grids ``(NT, HV)`` and ``(NT, H)``.
 
 The gate's reverse sum runs down each key column of ``dG`` in shared memory, one thread a column, 16 rows at
@@ -150,8 +151,7 @@ def build_gate_tail(
 
 
 @functools.cache
-def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool, rows_dtype: str | None = None):
-    rows_dtype = rows_dtype or dtype  # the saved rows' (fp32 when l2-normalized in training)
+def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool):
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")
     group = HV // H
@@ -159,7 +159,7 @@ def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool, rows_dtype: str | No
 
     @T.prim_func
     def qk_tail_kernel(
-        x_hat: T.Tensor((tokens, H, K), rows_dtype),  # the rows the forward used (normalized with l2norm)
+        x: T.Tensor((tokens, H, K), dtype),  # q or k as given (read with the l2norm only)
         rstd: T.Tensor((tokens, H) if l2norm else (1,), F32),
         dx_c: T.Tensor((NT, HV, C, K), F32),  # per value head
         chunk_starts: T.Tensor((NT,), "int32"),
@@ -175,18 +175,21 @@ def build_qk_tail(C: int, K: int, dtype: str, l2norm: bool, rows_dtype: str | No
                 for i, j in T.Parallel(C, K):
                     total[i, j] += dx_c[c, head * group + member, i, j]
             if l2norm:
-                # x^ waits in shared memory, not registers: the product and the sum already take two fragments
-                x_s = T.alloc_shared((C, K), rows_dtype)
+                # x^ = x r (fp32) waits in shared memory, not registers: the product and the sum already take
+                # two fragments
+                x_s = T.alloc_shared((C, K), F32)
+                r_s = T.alloc_shared((C,), F32)  # the chunk's rows' r, 0 past the end
                 product = T.alloc_fragment((C, K), F32)
                 dot = T.alloc_fragment((C,), F32)
+                for i in T.Parallel(C):
+                    r_s[i] = T.if_then_else(start + i < end, rstd[start + i, head], 0.0)
                 for i, j in T.Parallel(C, K):
-                    x_s[i, j] = T.if_then_else(start + i < end, x_hat[start + i, head, j], T.cast(0, rows_dtype))
+                    x_s[i, j] = T.if_then_else(start + i < end, T.cast(x[start + i, head, j], F32), 0.0) * r_s[i]
                 for i, j in T.Parallel(C, K):
-                    product[i, j] = T.cast(x_s[i, j], F32) * total[i, j]
+                    product[i, j] = x_s[i, j] * total[i, j]
                 T.reduce_sum(product, dot, dim=1)
                 for i, j in T.Parallel(C, K):
-                    r = T.if_then_else(start + i < end, rstd[start + i, head], 0.0)
-                    total[i, j] = r * (total[i, j] - T.cast(x_s[i, j], F32) * dot[i])
+                    total[i, j] = r_s[i] * (total[i, j] - x_s[i, j] * dot[i])
             for i, j in T.Parallel(C, K):
                 if start + i < end:
                     dx[start + i, head, j] = T.cast(total[i, j], dtype)

@@ -6,7 +6,9 @@
 - Lowering on the CPU for Hopper: each claimed (C, K, V, dtype) lowers, its products are ``wgmma`` at chunk
   64, and its shared memory fits an H200 block; one specialization builds with nvcc within the registers
   of one block an SM.
-- On an H200 (marked ``gpu``): the compiled kernel against the reference, outputs poisoned with NaN first.
+- On an H200 (marked ``gpu``): the compiled kernel against the reference, outputs poisoned with NaN first;
+  the kernel reads q and k as given with their scales (`rows.inputs_and_scales`), the reference the rows
+  ``x r``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 
 import pytest
 import torch
+from rows import inputs_and_scales
 
 from kda.backends.chunks import ChunkLayout, chunk_layout
 from kda.verify.check import relative_error
@@ -31,14 +34,23 @@ CLAIMED = [
 
 
 def make_inputs(
-    lengths: tuple[int, ...], C: int, H: int, group: int, K: int, V: int, dtype: torch.dtype, seed: int
+    lengths: tuple[int, ...],
+    C: int,
+    H: int,
+    group: int,
+    K: int,
+    V: int,
+    dtype: torch.dtype,
+    seed: int,
+    l2norm: bool = True,
 ) -> tuple[dict[str, torch.Tensor], ChunkLayout]:
     """Random inputs of the stage on the CPU, fp32; the ones the kernel reads in the inputs' dtype hold
-    values of that dtype (``q`` stays fp32, as the l2-normalized rows a training forward saves). ``G`` is a
-    cumulative sum of negative log decays (rows past the end hold the last token's), ``M`` the keys' decayed
-    products (strictly lower), ``T`` the inverse of ``I + diag(beta) M``; ``q_e = scale q e^G`` and ``k_g = k
-    e^(G_last - G)`` (the scale of ``K**-0.5``), which both stages form from the rows and G, for the
-    reference's checks."""
+    values of that dtype. ``q`` and ``k`` are the rows the forward used, ``x r`` in fp32 with the l2norm
+    (`rows.inputs_and_scales`), which the reference takes; the kernel takes ``q_in``, ``k_in`` (the
+    inputs' dtype) and ``rstd_q``, ``rstd_k``. ``G`` is a cumulative sum of negative log decays (rows past
+    the end hold the last token's), ``M`` the keys' decayed products (strictly lower), ``T`` the inverse of
+    ``I + diag(beta) M``; ``q_e = scale q e^G`` and ``k_g = k e^(G_last - G)`` (the scale of ``K**-0.5``),
+    which both stages form from the rows and G, for the reference's checks."""
     gen = torch.Generator().manual_seed(seed)
     bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
     layout = chunk_layout(bounds, C, torch.device("cpu"))
@@ -50,10 +62,8 @@ def make_inputs(
     def rounded(x: torch.Tensor) -> torch.Tensor:
         return x.to(dtype).float()
 
-    k = randn(tokens, H, K)
-    k = rounded(k / k.norm(dim=-1, keepdim=True))
-    q = randn(tokens, H, K)
-    q = q / q.norm(dim=-1, keepdim=True)  # fp32 rows, as the training forward saves l2-normalized ones
+    k_in, rstd_k, k = inputs_and_scales((tokens, H, K), dtype, l2norm, gen)
+    q_in, rstd_q, q = inputs_and_scales((tokens, H, K), dtype, l2norm, gen)
     valid = torch.arange(C)[None, :] < (layout.chunk_seq_ends - layout.chunk_starts)[:, None]  # [NT, C]
     rows = (layout.chunk_starts[:, None] + torch.arange(C)[None, :]).clamp(max=max(tokens - 1, 0)).long()
     log_decay = torch.nn.functional.logsigmoid(randn(NT, HV, C, K) + 3.0) * valid[:, None, :, None]
@@ -72,6 +82,10 @@ def make_inputs(
         v=rounded(randn(tokens, HV, V)),
         q=q,
         k=k,
+        q_in=q_in,
+        k_in=k_in,
+        rstd_q=rstd_q,
+        rstd_k=rstd_k,
         G=G,
         beta=beta,
         T=T,
@@ -163,7 +177,7 @@ def empty_outputs(inputs: dict[str, torch.Tensor], C: int, dv_dtype: torch.dtype
 
 
 HELION_ORDER = ("do", "v", "q", "k", "G", "G", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new")  # G: no l2 scales
-TILELANG_ORDER = ("do", "v", "q", "k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new")
+TILELANG_ORDER = ("do", "v", "q_in", "k_in", "rstd_q", "rstd_k", "G", "beta", "T", "M", "h", "dh", "v_new", "dv_new")
 
 
 def test_the_reference_matches_the_helion_kernel(monkeypatch):
@@ -216,8 +230,8 @@ def _lower(claim: tuple[int, int, int, str]) -> tuple[str, int]:
     from kda.backends.tilelang import chunk_backward, runtime
 
     C, K, V, dtype = claim
-    rows = "float32" if dtype == "bfloat16" else dtype  # both kinds of rows: l2-normalized (fp32) and raw
-    artifact = runtime.lower(chunk_backward.build(C, K, V, dtype, K**-0.5, rows))
+    l2norm = dtype == "bfloat16"  # both kinds of rows: with the l2norm's scales and without
+    artifact = runtime.lower(chunk_backward.build(C, K, V, dtype, K**-0.5, l2norm))
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
 
@@ -311,15 +325,13 @@ def test_the_kernel_matches_the_reference_on_the_gpu(case):
 
     dtype, C, K, V, lengths = case
     H, group, scale = 2, 2, K**-0.5
-    inputs, layout = make_inputs(lengths, C, H, group, K, V, dtype, seed=7)
+    l2norm = dtype == torch.bfloat16  # rows with the l2norm's scales, and raw rows
+    inputs, layout = make_inputs(lengths, C, H, group, K, V, dtype, seed=7, l2norm=l2norm)
     name = str(dtype).removeprefix("torch.")
-    rows = "float32" if dtype == torch.bfloat16 else name  # l2-normalized rows (fp32) and raw ones
-    if rows != "float32":  # raw rows are the inputs, in their dtype
-        inputs = dict(inputs, q=inputs["q"].to(dtype).float())
     expected = reference_chunk_backward(inputs, layout, C, scale, group)
-    (kernel,) = runtime.compile_all([(chunk_backward.build, (C, K, V, name, scale, rows))])
-    fp32 = {"G", "beta", "T", "M", "dh", "v_new", "dv_new"} | ({"q", "k"} if rows == "float32" else set())
-    device = {n: t.to("cuda", torch.float32 if n in fp32 else dtype).contiguous() for n, t in inputs.items()}
+    (kernel,) = runtime.compile_all([(chunk_backward.build, (C, K, V, name, scale, l2norm))])
+    given = {"do", "v", "q_in", "k_in", "h"}  # in the inputs' dtype; the rest fp32
+    device = {n: t.to("cuda", dtype if n in given else torch.float32).contiguous() for n, t in inputs.items()}
     outputs = empty_outputs(device, C, dtype)
     kernel(
         *(device[n] for n in TILELANG_ORDER), layout.chunk_starts.cuda(), layout.chunk_seq_ends.cuda(),

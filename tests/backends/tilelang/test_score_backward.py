@@ -7,7 +7,8 @@
 - every claimed shape (chunk 32 and 64, K of 64, 128 and 256, bf16 and fp16) lowers to CUDA for sm_90a,
   with ``wgmma`` products and shared memory that fits the H200;
 - on a Hopper GPU (``gpu`` marker, skipped elsewhere with the reason): the compiled kernel against the
-  reference, its outputs pre-filled with random values that it must add to.
+  reference, its outputs pre-filled with random values that it must add to; the kernel reads q and k as
+  given with their scales (`rows.inputs_and_scales`), the reference the rows ``x r``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 
 import pytest
 import torch
+from rows import inputs_and_scales
 
 from kda.backends.chunks import chunk_layout
 
@@ -164,8 +166,9 @@ QUICK = [(64, 128, "bfloat16"), (32, 256, "float16")]
 
 @functools.cache
 def lower(claim: tuple[int, int, str]) -> tuple[str, int]:
-    """The claim's kernel lowered to CUDA for sm_90a: its source and dynamic shared memory bytes."""
-    artifact = runtime.lower(score_backward.build(*claim))
+    """The claim's kernel lowered to CUDA for sm_90a, with the l2norm's scales in bf16 and without them in
+    fp16: its source and dynamic shared memory bytes."""
+    artifact = runtime.lower(score_backward.build(*claim, claim[2] == "bfloat16"))
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
 
@@ -205,15 +208,18 @@ def test_kernel_matches_the_reference_on_the_gpu(seed, dtype, C, gate, K):
         pytest.skip("K of 64 and 256 are checked at chunk 64 with the mixed gate")
     H, group = 2, 2
     lengths = (5 * C + 13, 1, 0, C - 3, 2 * C)
-    inputs, _ = make_inputs(lengths, C, H, group, K, gate, getattr(torch, dtype), "cuda")
-    q, k, G, dP_qk, dP_kk, starts, ends = inputs
-    # bf16 takes the rows in fp32, as a training forward with the l2norm saves them; fp16 in its own dtype
-    rows = "float32" if dtype == "bfloat16" else dtype
-    q, k = q.to(getattr(torch, rows)), k.to(getattr(torch, rows))
-    (kernel,) = runtime.compile_all([(score_backward.build, (C, K, dtype, rows))])
+    inputs, _ = make_inputs(lengths, C, H, group, K, gate, device="cuda")
+    _, _, G, dP_qk, dP_kk, starts, ends = inputs
+    # bf16 with the l2norm (q and k as given, and their scales), fp16 without (the rows are the inputs)
+    l2norm = dtype == "bfloat16"
+    tokens = sum(lengths)
+    (q, r_q, q_rows), (k, r_k, k_rows) = (
+        inputs_and_scales((tokens, H, K), getattr(torch, dtype), l2norm) for _ in "qk"
+    )
+    (kernel,) = runtime.compile_all([(score_backward.build, (C, K, dtype, l2norm))])
     before = [torch.randn_like(G) for _ in range(3)]
     outputs = [x.clone() for x in before]
-    kernel(q, k, G, dP_qk, dP_kk, starts, ends, *outputs)
+    kernel(q.cuda(), k.cuda(), r_q.cuda(), r_k.cuda(), G, dP_qk, dP_kk, starts, ends, *outputs)
     torch.cuda.synchronize()
-    found = errors(outputs, before, [x.cpu() for x in inputs], group)
+    found = errors(outputs, before, [q_rows, k_rows, *(x.cpu() for x in inputs[2:])], group)
     assert max(found.values()) <= 1e-4, found

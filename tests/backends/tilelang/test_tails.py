@@ -1,7 +1,8 @@
 """The tilelang backward's elementwise tails (`kda.backends.tilelang.tails`): float64 torch references of
 `gate_tail` and `qk_tail`, proven on the CPU against autograd (from the forward's own math) and against the
 helion kernels in Helion's interpreter; every kernel specialization lowered to CUDA source for sm_90a; and,
-on a Hopper GPU, both compiled kernels against the references with NaN-poisoned outputs.
+on a Hopper GPU, both compiled kernels against the references with NaN-poisoned outputs (`qk_tail` reading
+q or k as given with its scales, `rows.inputs_and_scales`; the reference the rows ``x r``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from rows import inputs_and_scales
 
 from kda.backends.chunks import ChunkLayout, chunk_layout
 from kda.reference import L2NORM_EPS, LOG_DECAY_FLOOR
@@ -149,17 +151,15 @@ def gate_inputs(C, K, HV, bounds, gate, has_dt_bias, dtypes=(torch.float32, torc
     )  # fmt: skip
 
 
-def qk_inputs(C, K, H, group, bounds, l2norm, dtype=torch.float32, device="cpu"):
-    layout = chunk_layout(bounds, C, torch.device(device))
+def qk_inputs(C, K, H, group, bounds, l2norm):
+    """fp32 inputs of `qk_tail` on the CPU, for the references: x, its rows' r and x r (x without the l2norm)."""
+    layout = chunk_layout(bounds, C, torch.device("cpu"))
     tokens, NT = bounds[-1], layout.num_chunks
     x = torch.randn(tokens, H, K) * 3
     rstd = torch.rsqrt((x * x).sum(-1) + L2NORM_EPS)
     x_hat = (x * rstd[..., None]) if l2norm else x
     dx_c = torch.randn(NT, H * group, C, K)
-    return dict(
-        x=x.to(dtype).to(device), x_hat=x_hat.to(dtype).to(device), rstd=rstd.to(device) if l2norm else None,
-        dx_c=dx_c.to(device), layout=layout,
-    )  # fmt: skip
+    return dict(x=x, x_hat=x_hat, rstd=rstd if l2norm else None, dx_c=dx_c, layout=layout)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -432,13 +432,13 @@ def test_the_gate_tail_on_the_gpu(seed, case, C, K, layout_name):
 @pytest.mark.usefixtures("hopper")
 def test_the_qk_tail_on_the_gpu(seed, dtype, l2norm, group, C, K, layout_name):
     H = 2
-    x = qk_inputs(C, K, H, group, LAYOUTS[layout_name](C), l2norm, dtype, device="cuda")
-    layout = x["layout"]
-    rows = "float32" if l2norm else dtype_name(dtype)  # a training forward saves normalized rows in fp32
-    (kernel,) = runtime.compile_all([(tails.build_qk_tail, (C, K, dtype_name(dtype), l2norm, rows))])
-    dx = torch.full(x["x_hat"].shape, math.nan, dtype=dtype, device="cuda")
-    rstd = x["rstd"] if l2norm else torch.zeros(1, device="cuda")
-    x_hat = x["x_hat"].float() if l2norm else x["x_hat"]
-    kernel(x_hat, rstd, x["dx_c"], layout.chunk_starts, layout.chunk_seq_ends, dx)
+    bounds = LAYOUTS[layout_name](C)
+    layout = chunk_layout(bounds, C, torch.device("cuda"))
+    given, rstd, rows = inputs_and_scales((bounds[-1], H, K), dtype, l2norm)  # x as given, r, and x r
+    dx_c = torch.randn(layout.num_chunks, H * group, C, K, device="cuda")
+    (kernel,) = runtime.compile_all([(tails.build_qk_tail, (C, K, dtype_name(dtype), l2norm))])
+    dx = torch.full(given.shape, math.nan, dtype=dtype, device="cuda")
+    kernel(given.cuda(), rstd.cuda(), dx_c, layout.chunk_starts, layout.chunk_seq_ends, dx)
     torch.cuda.synchronize()
-    assert relative(dx, qk_tail_reference(x["x_hat"], x["rstd"], x["dx_c"], layout, C, l2norm)) <= 1e-2
+    want = qk_tail_reference(rows.cuda(), rstd.cuda() if l2norm else None, dx_c, layout, C, l2norm)
+    assert relative(dx, want) <= 1e-2

@@ -173,8 +173,8 @@ def test_training_adds_the_backward_and_the_forward_saves_for_it():
 def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
     """At chunk 64, K = V = 128 every training kernel lowers for sm_90a with tensor-core products, `intra`'s
     stores for the backward and its fp32 halves cost no shared memory (its registers do: nvcc gives the
-    training kernel 142, one block an SM), and the saved tensors are written: G, beta, M, T and the
-    normalized rows."""
+    training kernel 145, one block an SM), and the saved tensors are written: G, beta, M, T and the rows'
+    reciprocal norms (the normalized rows are not stored)."""
     kernels = kernels_of(lowered, "training")
     assert set(kernels) == {"intra", "state", "output", *BACKWARD}
     for name, (_source, shared) in kernels.items():
@@ -183,7 +183,7 @@ def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
         assert "wgmma_ss" in products(kernels[name][0]), name
     saving, plain = kernels["intra"], kernels_of(lowered, (64, 128, "bfloat16"))["intra"]
     assert saving[1] == plain[1]
-    for stored in ("G_out", "beta_out", "M_out", "T_out", "q_n", "k_n", "rstd_q", "rstd_k"):
+    for stored in ("G_out", "beta_out", "M_out", "T_out", "rstd_q", "rstd_k"):
         # named in both signatures (a placeholder at inference); used in the saving kernel's body alone
         uses = [len(re.findall(rf"\b{stored}\b", source)) for source in (saving[0], plain[0])]
         assert uses[0] > uses[1], (stored, uses)
@@ -199,23 +199,69 @@ def _dtypes(kernel: kernels.Kernel) -> dict[str, str]:
 def test_training_keeps_what_dA_log_needs_in_fp32(l2norm):
     """``dA_log`` sums over every token terms of both signs; the CPU replay of the training path
     (benchmarks/tilelang_backward_precision.py) put it past its tolerance with bf16 normalized rows, ``u`` or
-    ``v_new``, and within 0.03 of it with those in fp32. Training passes them in fp32 from stage to stage;
-    inference keeps the inputs' dtype (the bytes are the forward's cost)."""
+    ``v_new``, and within 0.03 of it with those in fp32. Training passes ``u`` and ``v_new`` in fp32 from
+    stage to stage, and the rows as the inputs with their fp32 reciprocal norms (each stage forms ``x r`` in
+    fp32); inference keeps the inputs' dtype (the bytes are the forward's cost)."""
     training = {
         k.name: _dtypes(k) for k in kernels.specializations(spec_of(K=64, V=64, training=True, qk_l2norm=l2norm))
     }
     inference = {k.name: _dtypes(k) for k in kernels.specializations(spec_of(K=64, V=64, qk_l2norm=l2norm))}
     assert training["intra"]["u"] == training["state"]["u"] == "float32"
     assert training["output"]["v_new"] == training["chunk_backward"]["v_new"] == "float32"
-    rows = "float32" if l2norm else "bfloat16"  # without the l2norm the rows are the inputs themselves
-    if l2norm:
-        assert training["intra"]["q_n"] == training["intra"]["k_n"] == "float32"
+    assert "q_n" not in training["intra"] and "k_n" not in training["intra"]  # no normalized rows stored
+    assert training["intra"]["rstd_q"] == training["intra"]["rstd_k"] == "float32"
     for stage in ("chunk_backward", "score_backward"):
-        assert training[stage]["q"] == training[stage]["k"] == rows, stage
-    assert training["qk_tail"]["x_hat"] == rows
+        assert training[stage]["q"] == training[stage]["k"] == "bfloat16", stage  # as the call gave them
+        assert training[stage]["rstd_q"] == training[stage]["rstd_k"] == "float32", stage
+    assert training["qk_tail"]["x"] == "bfloat16" and training["qk_tail"]["rstd"] == "float32"
     # what the state passes multiply by stays in the inputs' dtype, and inference is untouched
     assert {training["state_backward"][name] for name in ("q_e", "w", "k_g", "A_qk")} == {"bfloat16"}
     assert inference["intra"]["u"] == inference["state"]["u"] == inference["output"]["v_new"] == "bfloat16"
+
+
+def _shared_buffers(kernel: kernels.Kernel) -> dict[str, str]:
+    """The dtype of each shared-memory buffer `kernel` allocates, by name, from its TIR (the names are lost
+    once TileLang merges the buffers into one dynamic allocation)."""
+    from tvm import tirx
+
+    found: dict[str, str] = {}
+
+    def visit(node) -> None:
+        for buffer in getattr(node, "alloc_buffers", None) or ():
+            if buffer.scope().startswith("shared"):
+                found[buffer.name] = str(buffer.dtype)
+
+    tirx.stmt_functor.post_order_visit(kernel.builder(*kernel.params).body, visit)
+    return found
+
+
+def _parameters(source: str) -> dict[str, str]:
+    """The C type of each pointer parameter of the lowered kernel's entry, by name."""
+    signature = source[source.index("__global__") :].split("{", 1)[0]
+    return {name: ctype for ctype, name in re.findall(r"(\w+)\* __restrict__ (\w+)", signature)}
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_the_backward_keeps_q_and_k_in_the_inputs_dtype_and_r_in_fp32(lowered, l2norm):
+    """The training forward stores no normalized rows: `chunk_backward` and `score_backward` read q and k as
+    given and hold their tiles in shared memory in the inputs' dtype, with the chunk's rows' ``r`` in fp32
+    beside them (``x r`` is formed in fp32 where it is read: half the tile bytes of fp32 rows). Checked in
+    the TIR of each stage and in the lowered CUDA's parameters."""
+    spec = spec_of(K=128, V=128, chunk_size=64, training=True, qk_l2norm=l2norm)
+    trained = {kernel.name: kernel for kernel in kernels.specializations(spec)}
+    for stage in ("chunk_backward", "score_backward"):
+        shared = _shared_buffers(trained[stage])
+        assert shared["q_s"] == shared["k_s"] == "bfloat16", (stage, shared)
+        assert shared["r_q"] == shared["r_k"] == "float32", (stage, shared)  # unread without the l2norm
+    if l2norm:  # the lowered training kernels (chunk 64, K = V = 128, bf16, with the l2norm)
+        sources = kernels_of(lowered, "training")
+        for stage in ("chunk_backward", "score_backward"):
+            parameters = _parameters(sources[stage][0])
+            assert parameters["q"] == parameters["k"] == "bfloat16_t", (stage, parameters)
+            assert parameters["rstd_q"] == parameters["rstd_k"] == "float", (stage, parameters)
+        parameters = _parameters(sources["qk_tail"][0])
+        assert parameters["x"] == "bfloat16_t" and parameters["rstd"] == "float", parameters
+        assert not {"q_n", "k_n"} & set(_parameters(sources["intra"][0]))
 
 
 def test_sequence_length_batch_and_heads_are_not_compiled_in():

@@ -57,6 +57,15 @@ in shared memory for the whole chunk): ``dA_qk``, ``dY`` (then ``dv`` and the fi
 ``dw``, ``dk_g``, ``dX``, the outputs on those columns and ``dT``'s second term (``dT`` needs every key
 column before ``dA_kk``). Last ``dA_kk`` from ``dT``, with the ``M`` part of ``dbeta``.
 
+Waits. At C = 64 the products are `T.wgmma_gemm` (asynchronous), and the products of a step that read none
+of each other's results are issued together and waited on once: the value side's seven (``dA_qk``, ``dT``'s
+first term, ``dY``); in each key block the six state products (``dq_e``, ``dw``, ``dk_g``), then the six of
+``dw``'s halves (``dT``'s term, ``dX``); then ``U = T^T dT`` and ``U T^T``, which depend on each other. 5
+waits in the source, 11 a chunk at K = 128, where a wait after each product (`T.gemm`) made 61. A step's
+products start after the barrier that publishes their operands and are waited on before the next one, so
+no shared tile is written while a product reads it. Chunk 32 is below wgmma's M = 64: `T.gemm`'s
+``mma.sync``.
+
 Rows. With the l2norm the forward stores no normalized rows: ``q`` and ``k`` come as the call gave them, a
 ``[C, BK]`` tile each in shared memory in the inputs' dtype, with the chunk's ``r`` in fp32 ``[C]`` buffers,
 and `used` forms ``x r`` in fp32 at each use (``X``'s halves, ``k exp(G)``, ``q_e``, ``k_g``): the fp32 value
@@ -65,8 +74,8 @@ and `used` forms ``x r`` in fp32 at each use (``X``'s halves, ``k exp(G)``, ``q_
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic. Shared
 memory does not grow with ``K`` (blocked): 177152 bytes a block at C = 64, K = V = 128, so one block an SM,
 where nvcc gives 255 registers a thread (256 threads: the whole register file) and spills nothing (with fp32
-rows in shared memory: 185344 bytes, 12 bytes spilled); 25 products, all ``wgmma``. K = 256 fits; V = 256
-does not at C = 64 (``V`` is not tiled).
+rows in shared memory and a wait after each product: 185344 bytes, 12 bytes spilled); 25 products, all
+``wgmma``. K = 256 fits; V = 256 does not at C = 64 (``V`` is not tiled).
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which mypy cannot read)
@@ -101,6 +110,11 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
     blocks = K // BK
     threads = threads_for(C)
     scales = (tokens, H) if l2norm else (1,)
+    # M = C = 64 reaches wgmma's 64 rows: the independent products of a step are issued together and waited
+    # on once (`T.wgmma_gemm` fails to compile where wgmma cannot serve; chunk 32 takes `T.gemm`'s mma.sync,
+    # which waits on each product itself)
+    wgmma = C == 64
+    gemm = T.wgmma_gemm if wgmma else T.gemm
 
     def high(x):
         """``x`` (fp32) rounded to the inputs' dtype: the high half of ``x = high + low``."""
@@ -222,15 +236,18 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                     r_q[i] = T.if_then_else(ok, rstd_q[start + i, head], 0.0)
                     r_k[i] = T.if_then_else(ok, rstd_k[start + i, head], 0.0)
 
-            T.gemm(do_s, vn_hi, dA, transpose_B=True, clear_accum=True)
-            T.gemm(do_s, vn_lo, dA, transpose_B=True)
+            # the value side's seven products read only the chunk's tiles: one wait
+            gemm(do_s, vn_hi, dA, transpose_B=True, clear_accum=True)
+            gemm(do_s, vn_lo, dA, transpose_B=True)
+            gemm(dvn_hi, v_s, dT, transpose_B=True, clear_accum=True)
+            gemm(dvn_lo, v_s, dT, transpose_B=True)
+            gemm(T_hi, dvn_hi, dY, transpose_A=True, clear_accum=True)  # dY = T^T dv_new
+            gemm(T_hi, dvn_lo, dY, transpose_A=True)
+            gemm(T_lo, dvn_hi, dY, transpose_A=True)
+            if wgmma:
+                T.wait_wgmma(0)
             for i, j in T.Parallel(C, C):  # stored at once: dA's registers are free for the key loop
                 dP_qk[c, hv, i, j] = T.if_then_else(j <= i, scale * dA[i, j], 0.0)
-            T.gemm(dvn_hi, v_s, dT, transpose_B=True, clear_accum=True)
-            T.gemm(dvn_lo, v_s, dT, transpose_B=True)
-            T.gemm(T_hi, dvn_hi, dY, transpose_A=True, clear_accum=True)  # dY = T^T dv_new
-            T.gemm(T_hi, dvn_lo, dY, transpose_A=True)
-            T.gemm(T_lo, dvn_hi, dY, transpose_A=True)
             for i, j in T.Parallel(C, V):
                 if start + i < end:
                     dv[start + i, hv, j] = T.cast(b_s[i] * dY[i, j], dtype)
@@ -251,12 +268,15 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                     ok = start + i < end
                     k_s[i, j] = T.if_then_else(ok, k[start + i, head, k0 + j], T.cast(0, dtype))
                     q_s[i, j] = T.if_then_else(ok, q[start + i, head, k0 + j], T.cast(0, dtype))
-                T.gemm(do_s, h_s, dqe, transpose_B=True, clear_accum=True)
-                T.gemm(dvn_hi, h_s, dw, transpose_B=True, clear_accum=True)
-                T.gemm(dvn_lo, h_s, dw, transpose_B=True)
-                T.gemm(vn_hi, dh_hi, dkg, transpose_B=True, clear_accum=True)
-                T.gemm(vn_hi, dh_lo, dkg, transpose_B=True)
-                T.gemm(vn_lo, dh_hi, dkg, transpose_B=True)
+                # the block's state products, on the value side's tiles and h's, dh's: one wait
+                gemm(do_s, h_s, dqe, transpose_B=True, clear_accum=True)
+                gemm(dvn_hi, h_s, dw, transpose_B=True, clear_accum=True)
+                gemm(dvn_lo, h_s, dw, transpose_B=True)
+                gemm(vn_hi, dh_hi, dkg, transpose_B=True, clear_accum=True)
+                gemm(vn_hi, dh_lo, dkg, transpose_B=True)
+                gemm(vn_lo, dh_hi, dkg, transpose_B=True)
+                if wgmma:
+                    T.wait_wgmma(0)
                 for i, j in T.Parallel(BK, V):
                     dh_h[i, j] = dh[c, hv, k0 + i, j] * T.cast(h_s[i, j], f32)
                 T.reduce_sum(dh_h, dgl, dim=1)
@@ -268,12 +288,15 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                     x_lo[i, j] = low(x)
                     dw_hi[i, j] = high(-dw[i, j])
                     dw_lo[i, j] = low(-dw[i, j])
-                T.gemm(dw_hi, x_hi, dT, transpose_B=True)
-                T.gemm(dw_hi, x_lo, dT, transpose_B=True)
-                T.gemm(dw_lo, x_hi, dT, transpose_B=True)
-                T.gemm(T_hi, dw_hi, dX, transpose_A=True, clear_accum=True)  # dX = T^T dw
-                T.gemm(T_hi, dw_lo, dX, transpose_A=True)
-                T.gemm(T_lo, dw_hi, dX, transpose_A=True)
+                # then the two products of dw's halves: dT's term and dX, one wait
+                gemm(dw_hi, x_hi, dT, transpose_B=True)
+                gemm(dw_hi, x_lo, dT, transpose_B=True)
+                gemm(dw_lo, x_hi, dT, transpose_B=True)
+                gemm(T_hi, dw_hi, dX, transpose_A=True, clear_accum=True)  # dX = T^T dw
+                gemm(T_hi, dw_lo, dX, transpose_A=True)
+                gemm(T_lo, dw_hi, dX, transpose_A=True)
+                if wgmma:
+                    T.wait_wgmma(0)
                 for i, j in T.Parallel(C, BK):
                     e_G = T.exp(G_s[i, j])
                     k_eG = used(k_s, r_k, i, j) * e_G
@@ -304,15 +327,20 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                 x = dT[i, j] * b_s[j]
                 dT_hi[i, j] = high(x)
                 dT_lo[i, j] = low(x)
-            T.gemm(T_hi, dT_hi, U, transpose_A=True, clear_accum=True)  # U = T^T dT
-            T.gemm(T_hi, dT_lo, U, transpose_A=True)
-            T.gemm(T_lo, dT_hi, U, transpose_A=True)
+            # dA_kk's two products depend on each other: a wait each
+            gemm(T_hi, dT_hi, U, transpose_A=True, clear_accum=True)  # U = T^T dT
+            gemm(T_hi, dT_lo, U, transpose_A=True)
+            gemm(T_lo, dT_hi, U, transpose_A=True)
+            if wgmma:
+                T.wait_wgmma(0)
             for i, j in T.Parallel(C, C):
                 U_hi[i, j] = high(U[i, j])
                 U_lo[i, j] = low(U[i, j])
-            T.gemm(U_hi, T_hi, R, transpose_B=True, clear_accum=True)  # R = U T^T
-            T.gemm(U_hi, T_lo, R, transpose_B=True)
-            T.gemm(U_lo, T_hi, R, transpose_B=True)
+            gemm(U_hi, T_hi, R, transpose_B=True, clear_accum=True)  # R = U T^T
+            gemm(U_hi, T_lo, R, transpose_B=True)
+            gemm(U_lo, T_hi, R, transpose_B=True)
+            if wgmma:
+                T.wait_wgmma(0)
             for i, j in T.Parallel(C, C):
                 dA_kk = T.if_then_else(j < i, -R[i, j], 0.0)
                 dP_kk[c, hv, i, j] = b_s[i] * dA_kk

@@ -261,6 +261,35 @@ def test_the_main_shapes_lower_to_tensor_core_products(lowered_main):
     assert source.count("wgmma_ss") == 25
 
 
+def waits_a_chunk(source: str) -> tuple[int, int]:
+    """The waits on ``wgmma`` in a lowered chunk_backward: written in the source, and run for one chunk (the
+    key loop's, ``for (int kb = 0; kb < N; ...)``, N times), whether `T.wgmma_gemm`'s explicit waits or the
+    one `T.gemm` puts after each of its products."""
+    pattern = r"tl::wait_wgmma<0>\(\);|tl::warpgroup_wait<0>\(\);"
+    loop = re.search(r"for \(int kb = 0; kb < (\d+); \+\+kb\) \{", source)
+    assert loop, "the key loop was not found in the lowered source"
+    depth, end = 1, loop.end()
+    while depth:  # the loop's closing brace
+        depth += {"{": 1, "}": -1}.get(source[end], 0)
+        end += 1
+    inside = len(re.findall(pattern, source[loop.end() : end]))
+    written = len(re.findall(pattern, source))
+    return written, written - inside + inside * int(loop.group(1))
+
+
+def test_a_steps_independent_products_are_waited_on_once(lowered_main):
+    """At chunk 64 the products go by `T.wgmma_gemm`, and the products of a step that read none of each other's
+    results are issued together and waited on once: the value side's seven (dA_qk, dT's first term, dY); in
+    each key block the six state products (dq_e, dw, dk_g), then the six of dw's halves (dT's term, dX);
+    then dA_kk's two steps (U = T^T dT, then U T^T). 5 waits written, 11 a chunk at K = 128 (four key
+    blocks), where a wait after each of the 25 products took 61."""
+    source = lowered_main[(64, 128, 128, "bfloat16")][0]
+    assert source.count("wgmma_ss<") == 25 and "warpgroup_wait" not in source
+    assert waits_a_chunk(source) == (5, 11)
+    # chunk 32 is below wgmma's 64 rows: mma.sync, which has nothing to wait on
+    assert waits_a_chunk(lowered_main[(32, 64, 64, "float16")][0]) == (0, 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("claim", CLAIMED, ids=lambda claim: "-".join(map(str, claim)))
 def test_every_claimed_shape_lowers(claim):

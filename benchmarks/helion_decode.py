@@ -113,8 +113,8 @@ def kernel_for(config: str | None) -> Any:
     object per configuration, so that each compiles once per pool dtype whatever the shape."""
     import helion
 
-    if config is None:
-        return helion.kernel(decode_kernel, static_shapes=False)
+    if config is None:  # the default configuration, never autotuned (Helion 1.5 autotunes a kernel given none)
+        return helion.kernel(decode_kernel, static_shapes=False, autotune_effort="none")
     block_v, warps = (int(part) for part in config.split("x"))
     return helion.kernel(
         decode_kernel, static_shapes=False, config=helion.Config(block_sizes=[block_v], num_warps=warps)

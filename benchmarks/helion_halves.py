@@ -294,8 +294,6 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def measure(name: str) -> None:
     """On the GPU, for each pass: the halves' results against the shipped kernel's, then each timed on the
     same inputs, interleaved."""
-    import helion
-
     from kda.backends.helion import configs, forward, runtime
     from kda.bench.timing import median_ms
 
@@ -314,13 +312,7 @@ def measure(name: str) -> None:
         variant = stage.variant_args(x, *theirs, C)
         print(f"{name} {stage.name}: the shipped pass (TF32x3, its table or default configuration) "
               "against halves", flush=True)  # fmt: skip
-        kernels = {"default": helion.kernel(stage.variant, static_shapes=False)}
-        kernels |= {
-            f"{bv}x{w}": helion.kernel(
-                stage.variant, static_shapes=False, config=helion.Config(block_sizes=[bv], num_warps=w)
-            )
-            for bv, w in CANDIDATES
-        }
+        kernels = variant_kernels(stage.variant)
         fresh = [buffer.clone() for buffer in theirs]  # the state pass writes v_new over u
         for label, kernel in kernels.items():
             for buffer, start in zip(theirs, fresh):
@@ -343,6 +335,20 @@ def measure(name: str) -> None:
         for label, ms in times.items():
             middle = sorted(ms)[1]
             print(f"  {label:10s} {middle:8.3f} ms  ({base / middle:.2f}x the shipped pass)", flush=True)
+
+
+def variant_kernels(variant: Any) -> dict[str, Any]:
+    """The halves pass as Helion kernels: at Helion's default configuration, never autotuned (given none,
+    Helion 1.5 autotunes at the first call: minutes for these kernels, past a device run's time limit),
+    and at each of `CANDIDATES` (``BVxW``)."""
+    import helion
+
+    kernels = {"default": helion.kernel(variant, static_shapes=False, autotune_effort="none")}
+    kernels |= {
+        f"{bv}x{w}": helion.kernel(variant, static_shapes=False, config=helion.Config(block_sizes=[bv], num_warps=w))
+        for bv, w in CANDIDATES
+    }
+    return kernels
 
 
 def main() -> int:

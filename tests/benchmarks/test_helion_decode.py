@@ -136,3 +136,10 @@ def test_the_configurations_lower_to_triton_without_a_gpu(monkeypatch, pool_dtyp
         source = bound.to_triton_code(helion.Config(block_sizes=[block_v], num_warps=warps))
         assert "@triton.jit" in source and "tl.sum" in source, config
         assert "evict_first" in source and "evict_last" in source, config  # the triton kernel's cache hints
+
+
+def test_the_default_configuration_is_never_autotuned():
+    """Given no configuration, Helion 1.5 autotunes at the first call (minutes on the GPU, past a device
+    run's limit): the default kernel must ask for Helion's default configuration instead."""
+    assert helion_decode.kernel_for(None).settings.autotune_effort == "none"
+    assert helion_decode.kernel_for("64x4").configs  # a named configuration is given, not searched for

@@ -84,3 +84,12 @@ def test_a_serial_pass_on_halves_against_the_recurrence_and_the_shipped_kernel(s
     assert max(results["shipped"]) < 1e-6, results  # fp32 products, exact up to fp32 rounding
     assert max(results["halves"]) < 2**-13, results  # 16 significant bits an operand, summed over chunks
     assert max(results["halves"]) > 2 * max(results["shipped"]), results  # the halves' products ran
+
+
+@pytest.mark.parametrize("stage", helion_halves.PASSES, ids=lambda stage: stage.name)
+def test_the_timed_kernels_are_never_autotuned(stage):
+    """Given no configuration, Helion 1.5 autotunes at the first call (it took a whole device run): the
+    default kernel asks for Helion's default configuration, and each candidate names its own."""
+    kernels = helion_halves.variant_kernels(stage.variant)
+    assert kernels["default"].settings.autotune_effort == "none"
+    assert all(kernel.configs for label, kernel in kernels.items() if label != "default")

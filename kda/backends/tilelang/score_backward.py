@@ -55,13 +55,13 @@ Arguments (``tokens``, ``NT``, ``H``, ``HV`` symbolic; ``group = HV // H``, valu
     chunk_seq_ends      [NT]              int32
     dq_c, dk_c, dG_c    [NT, HV, C, K]    fp32     added to (read, add, write)
 
-Rows past the sequence's end load ``q``, ``k`` as zeros. Grid ``(NT, HV, K / BK)``, 128 threads (one
-warpgroup): a program owns its chunk's rows of its key block, so the read-add-writes never race, and it
-loads its chunk's ``q``, ``k``, ``G`` once for all its strips (a program a strip would load them C / 16
-times). Shared memory is the same at every K: with the l2norm 111616 bytes at chunk 64 (two blocks an H200
-SM; fp32 rows took 127488, one) and 62464 at chunk 32, without it 111104 and 61952; nvcc gives 141
-registers a thread at chunk 64 (80 at chunk 32) with the l2norm, 138 (68) without, no spills. The exact
-block's 16 steps are a loop, not unrolled: unrolled they took the kernel to 233 registers.
+Rows past the sequence's end load ``q``, ``k`` as zeros. Grid ``(NT, HV, K / BK)``, 256 threads (two
+warpgroups; see `THREADS`): a program owns its chunk's rows of its key block, so the read-add-writes never
+race, and it loads its chunk's ``q``, ``k``, ``G`` once for all its strips (a program a strip would load
+them C / 16 times). Shared memory is the same at every K: with the l2norm 112640 bytes at chunk 64 (two
+blocks an H200 SM) and 63488 at chunk 32 (three); nvcc gives 77 registers a thread at chunk 64 and 68 at
+chunk 32, no spills (bf16, l2norm, nvcc 13.0). The exact block's 16 steps are a loop, not unrolled:
+unrolled they took the kernel to 233 registers (one warpgroup).
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which TileLang evaluates)
@@ -76,7 +76,12 @@ from kda.backends.tilelang.intra import SPLIT, STRIP, high, low
 KEY_BLOCK = 64  # key columns a program: wgmma's M, and the work of a chunk spread over K / 64 programs
 SPAN_LIMIT = 80.0  # e^80 = 5.5e34: finite in fp32 and bf16, with room for |x| up to ~6e3
 STEP_LIMIT = 8.0  # the triton backend's `DIFFERENCE_STEP`
-THREADS = 128  # one warpgroup: the M = 64 of every product
+# Two warpgroups: every product has the key block's 64 columns as M, and the two split its 16 strip columns
+# (`wgmma` of N = 8 each), while every elementwise loop (the exponentials and halves of the operands, most of
+# the kernel's work) halves per thread. The precedent is `intra`'s strips (4.73 to 2.13 ms at
+# B1_T8192_H96_D128, `intra.threads_for`); with one warpgroup this kernel was 47% of a training step on an
+# H100 (version 6: one block, 4 warps, an SM). Chunk 32 splits the same way: its products' M is the key block.
+THREADS = 256
 
 
 @functools.cache

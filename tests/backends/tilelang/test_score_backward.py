@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -182,10 +184,36 @@ def test_every_claimed_shape_lowers_to_wgmma(claim):
     assert "__global__" in source
     # every product has the 64 key columns of a block as wgmma's M, at chunk 32 too
     assert set(re.findall(r"wgmma_ss|wgmma_rs|mma_sync", source)) == {"wgmma_ss"}
+    # two warpgroups, each taking 8 of a strip's 16 columns (one warpgroup's products were N = 16)
+    assert "__launch_bounds__(256" in source
+    assert set(re.findall(r"wgmma_ss<[^>]*?, 64, (\d+), 16,", source)) == {"8"}
     assert "tf32" not in source.lower()  # dP is never rounded to TF32
     assert shared <= H200_SHARED_MEMORY, shared
     if claim[0] == 64:  # two blocks an SM (233472 bytes an SM, 1 KB reserved a block)
         assert 2 * (shared + 1024) <= 233472, shared
+
+
+@pytest.mark.slow
+def test_it_builds_with_nvcc_two_blocks_an_sm_without_spills(tmp_path):
+    """The chunk-64 kernel builds with this machine's nvcc for sm_90a, without spills, in registers that let
+    two blocks of 256 threads share an SM (65536 registers), as its shared memory does."""
+    import tilelang
+
+    if runtime.find_nvcc() is None:
+        pytest.skip("no nvcc on this machine")
+    root = os.path.dirname(tilelang.__file__)
+    path = tmp_path / "score_backward.cu"
+    path.write_text(lower(QUICK[0])[0])
+    done = subprocess.run(
+        [runtime.find_nvcc() or "nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3",
+         f"-I{os.path.join(root, 'src')}", f"-I{os.path.join(root, '3rdparty', 'cutlass', 'include')}",
+         "-DENABLE_BF16", "-w", "-Xptxas", "-v", "-c", str(path), "-o", str(tmp_path / "score_backward.o")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    registers = re.findall(r"Used (\d+) registers", done.stderr)
+    assert registers and 2 * 256 * int(registers[-1]) <= 65536, registers
+    assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"], done.stderr[-2000:]
 
 
 def test_the_product_operands_are_bf16_halves():

@@ -10,7 +10,9 @@ of the call, and the bytes of its tensor arguments (each storage once, summed ov
 call) over that time: what it moves if it reads and writes each argument once, against the H200's ~4.3
 TB/s copy rate. An upper bound where a kernel reads part of a tensor (the state pass reads ``G``'s last
 row of each chunk) or gets a placeholder, a lower one where it reads a tile again (``scores`` reads each
-chunk's columns once per strip). ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
+chunk's columns once per strip). Then the whole call: by an event pair around it, and as the bench times it
+(`kda.bench.timing.median_ms`), so that time outside the launches (on the H100, 61% of a training call at
+B4_T2048_H16_D128 was) shows beside their sum in one process. ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
 that an illegal memory access names the kernel that made it. ``--case KEY`` runs a verification class's own
 cases instead (`kda.verify.check.run_case`: its inputs, sizes and seeds, printed first), with the backend's
 head-dim limit for training lifted: how a class the backend declines because a kernel faulted there is
@@ -30,6 +32,7 @@ import torch
 from kda.backends.helion import runtime
 from kda.bench.runner import call_for
 from kda.bench.shapes import MODES, BenchShape, make_inputs
+from kda.bench.timing import median_ms
 
 
 def argument_bytes(args: tuple) -> int:
@@ -123,9 +126,14 @@ def main() -> None:
             times.clear()
             instrument.collect()  # type: ignore[attr-defined]
             times.clear()
+            calls: list[float] = []  # the whole call, by an event pair around it
             for _ in range(args.steps if not args.sync_each else 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
                 run()
-                instrument.collect()  # type: ignore[attr-defined]
+                end.record()
+                instrument.collect()  # type: ignore[attr-defined]  (synchronizes)
+                calls.append(start.elapsed_time(end))
             medians = {name: statistics.median(ms) for name, ms in times.items()}
             total = sum(medians.values())
             for name, ms in sorted(medians.items(), key=lambda item: -item[1]):
@@ -133,6 +141,11 @@ def main() -> None:
                 megabytes = moved.get(name, 0) / 1e6
                 print(f"  {name:16s} {ms:8.3f} ms  {100 * ms / total:5.1f}%  {megabytes:9.1f} MB  {rate:5.2f} TB/s")
             print(f"  {'sum':16s} {total:8.3f} ms", flush=True)
+            # the call itself, as events see it and as the bench times it (do_bench: back to back, L2 flushed),
+            # so that time outside the launches shows here, in one process
+            print(f"  {'call (events)':16s} {statistics.median(calls):8.3f} ms", flush=True)
+            if not args.sync_each:
+                print(f"  {'call (bench)':16s} {median_ms(run, torch.device('cuda')):8.3f} ms", flush=True)
             times.clear()
 
 

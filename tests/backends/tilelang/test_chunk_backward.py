@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import re
-import subprocess
 
 import pytest
 import torch
+from nvcc import ptxas_report, registers
 from rows import inputs_and_scales
 
 from kda.backends.chunks import ChunkLayout, chunk_layout
@@ -316,24 +315,8 @@ def test_value_dims_of_256_do_not_fit():
 def test_it_builds_with_nvcc_in_one_blocks_registers(lowered_main, tmp_path):
     """The sm_90a source builds with this machine's nvcc, and a block of 256 threads fits the register file
     (65536 registers an SM: at most 255 a thread, which is also the hardware's most)."""
-    import tilelang
-
-    from kda.backends.tilelang import runtime
-
-    if runtime.find_nvcc() is None:
-        pytest.skip("no nvcc on this machine")
-    root = os.path.dirname(tilelang.__file__)
-    path = tmp_path / "chunk_backward.cu"
-    path.write_text(lowered_main[(64, 128, 128, "bfloat16")][0])
-    done = subprocess.run(
-        [runtime.find_nvcc() or "nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3",
-         f"-I{os.path.join(root, 'src')}", f"-I{os.path.join(root, '3rdparty', 'cutlass', 'include')}",
-         "-DENABLE_BF16", "-w", "-Xptxas", "-v", "-c", str(path), "-o", str(tmp_path / "chunk_backward.o")],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    registers = re.findall(r"Used (\d+) registers", done.stderr)
-    assert registers and 256 * int(registers[-1]) <= 65536, registers
+    report = ptxas_report(lowered_main[(64, 128, 128, "bfloat16")][0], tmp_path, "chunk_backward")
+    assert 256 * registers(report) <= 65536, report[-2000:]
 
 
 # On the GPU.

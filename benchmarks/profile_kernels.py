@@ -7,11 +7,16 @@ Runs the bench's own callable (`kda.bench.runner.call_for`: forward, plus backwa
 a few times to warm up, then profiles ``--steps`` calls and prints each kernel's GPU microseconds per call,
 largest first, with their sum. It answers "which kernel holds the time", for our stages and for FLA's, in
 one process; the bench (`python -m kda.bench`) remains the source of the times we report.
+
+Beside the kernels' sum it prints the call's own time, unprofiled: GPU time from the first launch to the
+last (events) and the host's time to issue a call (no synchronize in between). Kernels summing to much
+less than the call's time mean the GPU waits: on the host (issue time near the call's) or on a synchronize.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -37,6 +42,20 @@ def kernel_table(run, steps: int) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda row: -row[2])
 
 
+def call_times(run, steps: int) -> tuple[float, float]:
+    """``(GPU ms a call by events, host ms to issue a call)`` over `steps` back-to-back calls."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    issued = time.perf_counter()
+    start.record()
+    for _ in range(steps):
+        run()
+    end.record()
+    issued = time.perf_counter() - issued
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, issued * 1e3 / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+")
@@ -56,8 +75,10 @@ def main() -> None:
                     run()
                 torch.cuda.synchronize()
                 rows = kernel_table(run, args.steps)
+                gpu_ms, host_ms = call_times(run, args.steps)
                 print(
-                    f"\n{shape_name} {mode_name} {backend}: {sum(us for _, _, us in rows) / 1e3:.3f} ms of kernels a call"
+                    f"\n{shape_name} {mode_name} {backend}: {sum(us for _, _, us in rows) / 1e3:.3f} ms of kernels a call;"
+                    f" the call {gpu_ms:.3f} ms (events), issued in {host_ms:.3f} ms of host time"
                 )
                 for name, count, us in rows[:30]:
                     print(f"  {us:9.1f} us  x{count:<3d} {name[:110]}")

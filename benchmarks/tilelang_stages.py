@@ -2,7 +2,8 @@
 
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --mode fwd_pregated B1_T8192_H96_D128
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode train_safe B1_T8192_H96_D128
-    KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --intra-variant halves=/tmp/intra.py B1_T8192_H96_D128
+    KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --variant intra:halves=/tmp/intra.py B1_T8192_H96_D128
+    KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode train_safe --variant score_backward:bk32=/tmp/sb.py B4_T2048_H16_D128
 
 Runs the bench's own callable (`kda.bench.runner.call_for`, so exactly what the bench times) with each of
 the backend's kernels wrapped in CUDA events (the forward's three; in a training mode, ``train_safe`` or
@@ -11,11 +12,12 @@ the backend's kernels wrapped in CUDA events (the forward's three; in a training
 move at least (its inputs read once, its outputs written once) over that time, against the H200's
 ~4.3 TB/s copy rate measured here.
 
-``--intra-variant NAME=PATH`` (repeatable) also times an `intra` kernel built by the ``build`` function of
-the Python file PATH (a changed copy of ``kda/backends/tilelang/intra.py``), in the same process, its calls
-interleaved step by step with the shipped kernel's, so that a change to `intra` is measured against the
-kernel it would replace on the same GPU, clocks and inputs. Nothing here verifies a variant: its numbers
-are checked by `kda.verify` once it replaces the shipped file.
+``--variant KERNEL:NAME=PATH`` (repeatable) also times the kernel KERNEL (a stage name: ``intra``,
+``score_backward``, ...) built by the builder of the Python file PATH, a changed copy of that kernel's module
+(its ``build`` function; ``build_gate_tail`` or ``build_qk_tail`` for the tails), in the same process: each
+step runs the call once as shipped and once per variant, rotated, with every other kernel as shipped, so a
+change is measured against the kernel it would replace on the same GPU, clocks and inputs. Nothing here
+verifies a variant: its numbers are checked by `kda.verify` once it replaces the shipped file.
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from kda.backends.tilelang import intra, kernels
+from kda.backends.tilelang import (
+    chunk_backward,
+    intra,
+    kernels,
+    output,
+    score_backward,
+    state,
+    state_backward,
+    tails,
+)
 from kda.bench.runner import call_for
 from kda.bench.shapes import MODES, BenchShape, make_inputs
 
@@ -40,32 +51,74 @@ SHIPPED = "shipped"
 
 
 class VariantError(ValueError):
-    """An ``--intra-variant`` that cannot be used, with what is wrong."""
+    """A ``--variant`` that cannot be used, with what is wrong."""
 
 
-def load_variant(text: str) -> tuple[str, Callable[..., Any]]:
-    """``NAME=PATH`` -> (NAME, the ``build`` function of the file PATH)."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise VariantError(f"--intra-variant {text!r}: expected NAME=PATH")
+# Where `kernels.specializations` finds each kernel's builder (it looks it up at every call)
+BUILDERS: dict[str, tuple[Any, str]] = {
+    "intra": (intra, "build"),
+    "state": (state, "build"),
+    "output": (output, "build"),
+    "state_backward": (state_backward, "build"),
+    "chunk_backward": (chunk_backward, "build"),
+    "score_backward": (score_backward, "build"),
+    "gate_tail": (tails, "build_gate_tail"),
+    "qk_tail": (tails, "build_qk_tail"),
+}
+
+
+class Variant(NamedTuple):
+    kernel: str  # a key of BUILDERS
+    name: str
+    build: Callable[..., Any]
+
+
+def load_variant(text: str) -> Variant:
+    """``KERNEL:NAME=PATH`` -> the builder of kernel KERNEL in the file PATH, under NAME."""
+    kernel, colon, rest = text.partition(":")
+    name, sep, path = rest.partition("=")
+    if not colon or not sep or not kernel or not name or not path:
+        raise VariantError(f"--variant {text!r}: expected KERNEL:NAME=PATH")
+    if kernel not in BUILDERS:
+        raise VariantError(f"--variant {text!r}: no kernel {kernel!r} (one of {', '.join(BUILDERS)})")
     if name == SHIPPED:
-        raise VariantError(f"--intra-variant {text!r}: the name {SHIPPED!r} is the shipped kernel's")
+        raise VariantError(f"--variant {text!r}: the name {SHIPPED!r} is the shipped kernels'")
     if not Path(path).is_file():
-        raise VariantError(f"--intra-variant {text!r}: no file {path}")
-    spec = importlib.util.spec_from_file_location(f"intra_variant_{name}", path)
+        raise VariantError(f"--variant {text!r}: no file {path}")
+    spec = importlib.util.spec_from_file_location(f"{kernel}_variant_{name}", path)
     if spec is None or spec.loader is None:
-        raise VariantError(f"--intra-variant {text!r}: {path} is not a Python file")
+        raise VariantError(f"--variant {text!r}: {path} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # a variant is work in progress: any failure is a message, not a traceback
-        raise VariantError(
-            f"--intra-variant {text!r}: {path} does not import ({type(error).__name__}: {error})"
-        ) from error
-    build = getattr(module, "build", None)
+        raise VariantError(f"--variant {text!r}: {path} does not import ({type(error).__name__}: {error})") from error
+    attribute = BUILDERS[kernel][1]
+    build = getattr(module, attribute, None)
     if not callable(build):
-        raise VariantError(f"--intra-variant {text!r}: {path} defines no build() function")
-    return name, build
+        raise VariantError(f"--variant {text!r}: {path} defines no {attribute}() function")
+    return Variant(kernel, name, build)
+
+
+def load_variants(texts: list[str]) -> list[Variant]:
+    variants = [load_variant(text) for text in texts]
+    names = [variant.name for variant in variants]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise VariantError(f"--variant: the name {repeated[0]!r} is given twice")
+    return variants
+
+
+def use(variant: Variant | None) -> None:
+    """Every kernel as shipped, but `variant`'s (None: all shipped)."""
+    for kernel, (module, attribute) in BUILDERS.items():
+        setattr(module, attribute, SHIPPED_BUILDS[kernel])
+    if variant is not None:
+        module, attribute = BUILDERS[variant.kernel]
+        setattr(module, attribute, variant.build)
+
+
+SHIPPED_BUILDS = {kernel: getattr(module, attribute) for kernel, (module, attribute) in BUILDERS.items()}
 
 
 def _nbytes(args: tuple) -> int:
@@ -88,13 +141,14 @@ def main() -> int:
         "--mode", action="append", required=True, choices=["fwd", "fwd_pregated", "train_safe", "train_pregated"]
     )
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--intra-variant", action="append", default=[], metavar="NAME=PATH")
+    parser.add_argument("--variant", action="append", default=[], metavar="KERNEL:NAME=PATH")
     args = parser.parse_args()
     try:
-        builds = dict([(SHIPPED, intra.build)] + [load_variant(text) for text in args.intra_variant])
+        variants = load_variants(args.variant)
     except VariantError as error:
         print(f"tilelang_stages: {error}", file=sys.stderr)
         return 2
+    runs: dict[str, Variant | None] = {SHIPPED: None} | {variant.name: variant for variant in variants}
     pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
     real = kernels.compile_all
 
@@ -119,20 +173,18 @@ def main() -> int:
             if run is None:
                 print(f"{shape_name} {mode_name}: not run ({why})")
                 continue
-            for variant, build in builds.items():  # first calls (compilation) are not timed
-                intra.build = build  # `kernels.specializations` looks it up at every call
+            for label, variant in runs.items():  # first calls (compilation) are not timed
+                use(variant)
                 began = time.perf_counter()
                 run()
                 torch.cuda.synchronize()
-                print(
-                    f"\n{shape_name} {mode_name} {variant}: first call {time.perf_counter() - began:.1f} s", flush=True
-                )
-            times: dict[str, dict[str, list[float]]] = {variant: defaultdict(list) for variant in builds}
+                print(f"\n{shape_name} {mode_name} {label}: first call {time.perf_counter() - began:.1f} s", flush=True)
+            times: dict[str, dict[str, list[float]]] = {label: defaultdict(list) for label in runs}
             moved: dict[str, int] = {}
             for step in range(args.steps):
-                names = list(builds)
-                for variant in names[step % len(names) :] + names[: step % len(names)]:  # rotated each step
-                    intra.build = builds[variant]
+                labels = list(runs)
+                for label in labels[step % len(labels) :] + labels[: step % len(labels)]:  # rotated each step
+                    use(runs[label])
                     pending.clear()
                     run()
                     torch.cuda.synchronize()
@@ -142,17 +194,21 @@ def main() -> int:
                         per_call[name] += start.elapsed_time(end)
                         bytes_per_call[name] += nbytes
                     for name, ms in per_call.items():
-                        times[variant][name].append(ms)
+                        times[label][name].append(ms)
                     moved.update(bytes_per_call)
-            intra.build = builds[SHIPPED]
-            for variant in builds:
-                print(f"\n{shape_name} {mode_name} {variant}:")
-                _report(times[variant], moved)
-            if len(builds) > 1:
-                shipped = statistics.median(times[SHIPPED]["intra"])
-                for variant in list(builds)[1:]:
-                    ms = statistics.median(times[variant]["intra"])
-                    print(f"  intra {variant}: {ms:.3f} ms against {shipped:.3f} shipped ({ms / shipped:.3f}x)")
+            use(None)
+            for label in runs:
+                print(f"\n{shape_name} {mode_name} {label}:")
+                _report(times[label], moved)
+            for variant in variants:
+                if variant.kernel not in times[SHIPPED]:
+                    print(f"  {variant.kernel} {variant.name}: not launched in {mode_name}")
+                    continue
+                ms = statistics.median(times[variant.name][variant.kernel])
+                shipped = statistics.median(times[SHIPPED][variant.kernel])
+                print(
+                    f"  {variant.kernel} {variant.name}: {ms:.3f} ms against {shipped:.3f} shipped ({ms / shipped:.3f}x)"
+                )
     return 0
 
 

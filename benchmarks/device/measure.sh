@@ -54,8 +54,8 @@
 #   tilelang-stages  benchmarks/tilelang_stages.py: the tilelang backend's time and bytes per kernel at
 #                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128) in STAGE_MODES (default fwd
 #                fwd_pregated; train_safe and train_pregated time the backward's kernels too); with
-#                INTRA_VARIANTS ("name=path ...": changed copies of intra.py, e.g. under .device/) each variant's
-#                `intra` is timed in the same process, interleaved with the shipped one
+#                VARIANTS ("kernel:name=path ...": changed copies of a kernel's module, e.g. under .device/) each
+#                variant's kernel is timed in the same process, interleaved with the shipped one
 #   tilelang-ncu Nsight Compute (--set full) on NCU_LAUNCHES (default 1) launches of the tilelang kernels matching
 #                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) -> kernels.ncu-rep, details.txt
 #                (every section as text), sass.csv (stall samples per instruction) and phases.txt (those samples
@@ -290,7 +290,7 @@ for target in "$@"; do
     # shellcheck disable=SC2046,SC2086
     KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/tilelang_stages.py \
       $(for m in ${STAGE_MODES:-fwd fwd_pregated}; do printf -- '--mode %s ' "$m"; done) \
-      $(for v in ${INTRA_VARIANTS:-}; do printf -- '--intra-variant %s ' "$v"; done) \
+      $(for v in ${VARIANTS:-}; do printf -- '--variant %s ' "$v"; done) \
       ${STAGE_SHAPES:-B1_T8192_H96_D128 B4_T2048_H16_D128} > "$OUT/tilelang-stages/kernels.txt" 2>&1
     echo "tilelang-stages: exit $?"; grep -v -i -E "warn|tilelang\.jit|decision" "$OUT/tilelang-stages/kernels.txt" | tail -40
     ;;

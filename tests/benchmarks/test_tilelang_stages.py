@@ -1,8 +1,9 @@
-"""benchmarks/tilelang_stages.py's ``--intra-variant NAME=PATH``: a changed `intra` loaded from a file, or a
+"""benchmarks/tilelang_stages.py's ``--variant KERNEL:NAME=PATH``: a changed kernel loaded from a file, or a
 clear message saying why not (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,31 +13,72 @@ from benchmark_scripts import load
 pytest.importorskip("tilelang")
 
 ROOT = Path(__file__).resolve().parents[2]
+TILELANG = ROOT / "kda" / "backends" / "tilelang"
 stages = load("tilelang_stages")
 
 
-def test_a_variant_is_the_build_function_of_its_file(tmp_path):
+def test_a_variant_is_the_builder_of_its_file(tmp_path):
     path = tmp_path / "intra_halves.py"
     path.write_text("def build(*params):\n    return ('built', params)\n")
-    name, build = stages.load_variant(f"halves={path}")
-    assert name == "halves" and build(64, 128) == ("built", (64, 128))
+    variant = stages.load_variant(f"intra:halves={path}")
+    assert (variant.kernel, variant.name) == ("intra", "halves")
+    assert variant.build(64, 128) == ("built", (64, 128))
 
 
-def test_a_copy_of_the_shipped_module_loads_as_a_variant():
-    name, build = stages.load_variant(f"copy={ROOT / 'kda' / 'backends' / 'tilelang' / 'intra.py'}")
-    assert name == "copy" and callable(build) and build is not stages.intra.build
+def test_a_tail_variant_is_its_own_builder(tmp_path):
+    path = tmp_path / "tails.py"
+    path.write_text("def build_gate_tail(): return 'gate'\ndef build_qk_tail(): return 'qk'\n")
+    assert stages.load_variant(f"qk_tail:v={path}").build() == "qk"
+    assert stages.load_variant(f"gate_tail:v={path}").build() == "gate"
+
+
+@pytest.mark.parametrize("kernel", ["intra", "score_backward", "chunk_backward"])
+def test_a_copy_of_a_shipped_module_loads_as_a_variant(kernel):
+    variant = stages.load_variant(f"{kernel}:copy={TILELANG / f'{kernel}.py'}")
+    shipped = getattr(*stages.BUILDERS[kernel])
+    assert variant.name == "copy" and callable(variant.build) and variant.build is not shipped
+
+
+def test_every_kernel_the_backend_lists_can_be_varied_by_the_builder_it_calls():
+    """The variant table and `kernels.specializations` name the same kernels and the same builders."""
+    listed = re.findall(r'Kernel\("(\w+)", (\w+)\.(\w+),', (TILELANG / "kernels.py").read_text())
+    table = {
+        kernel: (module.__name__.rsplit(".", 1)[1], attribute)
+        for kernel, (module, attribute) in stages.BUILDERS.items()
+    }
+    assert len(listed) == 8 and {kernel: (module, attribute) for kernel, module, attribute in listed} == table
+
+
+def test_use_puts_one_variant_in_and_then_restores_the_shipped_builders(tmp_path):
+    path = tmp_path / "sb.py"
+    path.write_text("def build(*params): return 'variant'\n")
+    variant = stages.load_variant(f"score_backward:v={path}")
+    shipped = {kernel: getattr(module, attribute) for kernel, (module, attribute) in stages.BUILDERS.items()}
+    try:
+        stages.use(variant)
+        assert stages.score_backward.build is variant.build
+        assert stages.intra.build is shipped["intra"]
+        stages.use(None)
+        assert {kernel: getattr(m, a) for kernel, (m, a) in stages.BUILDERS.items()} == shipped
+    finally:
+        stages.use(None)
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("halves", "expected NAME=PATH"),
-        ("=x.py", "expected NAME=PATH"),
-        ("halves=", "expected NAME=PATH"),
-        ("shipped={good}", "the shipped kernel's"),
-        ("halves={missing}", "no file"),
-        ("halves={broken}", "does not import (ZeroDivisionError"),
-        ("halves={no_build}", "defines no build() function"),
+        ("halves", "expected KERNEL:NAME=PATH"),
+        ("intra:halves", "expected KERNEL:NAME=PATH"),
+        ("halves={good}", "expected KERNEL:NAME=PATH"),
+        ("intra:={good}", "expected KERNEL:NAME=PATH"),
+        (":v={good}", "expected KERNEL:NAME=PATH"),
+        ("intra:halves=", "expected KERNEL:NAME=PATH"),
+        ("nosuch:v={good}", "no kernel 'nosuch'"),
+        ("intra:shipped={good}", "the shipped kernels'"),
+        ("intra:halves={missing}", "no file"),
+        ("intra:halves={broken}", "does not import (ZeroDivisionError"),
+        ("intra:halves={no_build}", "defines no build() function"),
+        ("qk_tail:v={good}", "defines no build_qk_tail() function"),
     ],
 )
 def test_a_variant_that_cannot_be_used_says_why(tmp_path, text, message):
@@ -48,8 +90,15 @@ def test_a_variant_that_cannot_be_used_says_why(tmp_path, text, message):
         stages.load_variant(text.format(missing=tmp_path / "absent.py", **paths))
 
 
-def test_a_bad_variant_ends_the_command_with_its_message_before_any_gpu_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["tilelang_stages.py", "--mode", "fwd", "--intra-variant", "v", "B1_T64_H1_D64"])
+def test_two_variants_of_one_name_are_refused(tmp_path):
+    path = tmp_path / "v.py"
+    path.write_text("def build(): pass\n")
+    with pytest.raises(stages.VariantError, match="the name 'a' is given twice"):
+        stages.load_variants([f"intra:a={path}", f"score_backward:a={path}"])
+
+
+def test_a_bad_variant_ends_the_command_with_its_message_before_any_gpu_work(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tilelang_stages.py", "--mode", "fwd", "--variant", "v", "B1_T64_H1_D64"])
     monkeypatch.setattr(stages, "make_inputs", lambda *a, **k: pytest.fail("inputs made for a bad command line"))
     assert stages.main() == 2
-    assert "expected NAME=PATH" in capsys.readouterr().err
+    assert "expected KERNEL:NAME=PATH" in capsys.readouterr().err

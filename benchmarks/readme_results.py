@@ -190,6 +190,24 @@ def verify_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+UNRECORDED_FLA = (
+    "not recorded (before `baseline:fla` was held to FLA's Triton kernels, FLA 0.6 ran its TileLang backward "
+    "stage wherever tilelang was installed, as on the device machine, unless `FLA_TILELANG` was 0)"
+)
+
+
+def fla_path_line(runs: list[dict[str, Any]], mode: str) -> list[str]:
+    """What `baseline:fla` ran in the runs that timed `mode`, from their settings (`fla_paths`); training
+    only, where FLA's route differs."""
+    if not mode.startswith("train"):
+        return []
+    timed = [run for run in runs if mode in run.get("modes", []) and "baseline:fla" in run.get("backends", [])]
+    paths = list(dict.fromkeys(run.get("fla_paths", {}).get("baseline:fla", UNRECORDED_FLA) for run in timed))
+    if not paths:
+        return []
+    return ["", "FLA's path in these rows: " + "; in other runs, ".join(paths) + "."]
+
+
 def section(snapshot: Path) -> list[str]:
     where = (snapshot.relative_to(ROOT) if snapshot.is_relative_to(ROOT) else snapshot).as_posix()
     if not (snapshot / "results.json").is_file():
@@ -209,7 +227,8 @@ def section(snapshot: Path) -> list[str]:
     ]
     modes = list(dict.fromkeys(r["mode"] for r in data["rows"]))
     for mode in sorted(modes, key=lambda m: list(MODE_TITLES).index(m) if m in MODE_TITLES else 99):
-        lines += [*mode_table(data["rows"], mode), ""]
+        runs = data.get("settings", {}).get("runs", [])
+        lines += [*mode_table(data["rows"], mode), *fla_path_line(runs, mode), ""]
     decode = snapshot / "decode.json"
     if decode.is_file():
         lines += [*decode_table(json.loads(decode.read_text())), ""]

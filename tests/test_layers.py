@@ -89,6 +89,7 @@ ALLOWED: dict[str, set[str]] = {
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # The bench's `fla` baseline times FLA's own function directly, not through kda's dispatch.
     ("kda.bench.runner", "kda.backends.fla"): "the raw FLA baseline",
+    ("kda.bench.runner", "kda.backends.fla.route"): "the raw FLA baseline on FLA's Triton path",
     ("kda.bench.decode", "kda.backends.fla.recurrent"): "the raw FLA baseline of the decode op",
     # `chunk_kda(cp_context=...)` hands the call to kda.distributed, which calls chunk_kda per rank.
     ("kda.api", "kda.distributed"): "context parallelism's entry",

@@ -37,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kda import cliargs, registry, store
 from kda.bench import results
-from kda.bench.runner import BASELINES, BenchConfig, Row, logger, run
+from kda.bench.runner import BASELINES, BenchConfig, Row, fla_paths, logger, run
 from kda.bench.shapes import DEFAULT_SHAPES, MODES, BenchShape
 from kda.workloads import DENSE_SHAPES
 
@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME",
-        help="a kda backend, 'auto', 'baseline:fla' or 'baseline:flashkda' (repeatable; "
-        "default: every available backend, auto, and the baselines that are installed)",
+        help="a kda backend, 'auto', 'baseline:fla', 'baseline:flashkda' or 'baseline:fla-tilelang' (FLA with "
+        "its TileLang stage as installed; named only) (repeatable; default: every available backend, auto, and "
+        "the first two baselines where installed)",
     )
     parser.add_argument(
         "--shape",
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "jobs": args.jobs,
         "KDA_VERIFY": os.environ.get("KDA_VERIFY", "lazy"),
+        "fla_paths": fla_paths(),
     }
     config = BenchConfig(
         shapes,

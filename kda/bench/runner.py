@@ -3,9 +3,11 @@
 Rows are of three kinds:
 
 - ``baseline:fla`` and ``baseline:flashkda``: the libraries called directly, exactly as their users
-  call them (FLA's Triton `chunk_kda` with its FlashKDA dispatch bypassed; `flash_kda.fwd` in its own
-  state layout), with no kda code in the timed region. ``pct_fla`` of every row is measured against
-  ``baseline:fla`` of the same shape and mode, in the same process.
+  call them (FLA's `chunk_kda` on its Triton kernels, forward and backward: its FlashKDA dispatch and, where
+  tilelang is installed, its TileLang backward stage bypassed, as the `fla` backend runs it; `flash_kda.fwd`
+  in its own state layout), with no kda code in the timed region. ``pct_fla`` of every row is measured
+  against ``baseline:fla`` of the same shape and mode, in the same process. ``baseline:fla-tilelang``
+  (named only) is FLA with its stages dispatched as installed: with tilelang, its TileLang backward stage.
 - kda backends (``torch``, ``fla``, ``flashkda``, ...): `kda.chunk_kda(..., backend=name)`, so the spec
   check and dispatch are part of the time, as they are for a user. A backend that is not verified for
   the call, or does not support it, gets a row with the reason and no time.
@@ -33,13 +35,14 @@ import torch
 
 import kda
 from kda import timings
+from kda.backends.fla import route
 from kda.bench import timing
 from kda.bench.shapes import MODES, BenchInputs, BenchShape, Mode, make_inputs
 from kda.spec import KDASpec
 
 logger = logging.getLogger("kda.bench")
 
-BASELINES = ("baseline:fla", "baseline:flashkda")
+BASELINES = ("baseline:fla", "baseline:fla-tilelang", "baseline:flashkda")
 
 
 @dataclass
@@ -99,17 +102,18 @@ def with_backward(forward: Callable[[], Any], inputs: BenchInputs) -> Callable[[
 def call_for(name: str, inputs: BenchInputs, mode: Mode) -> tuple[Callable[[], Any] | None, str | None]:
     """The callable that one row times (forward, plus backward in training modes), or why there is none."""
     kwargs = inputs.kwargs
-    if name == "baseline:fla":
+    if name in ("baseline:fla", "baseline:fla-tilelang"):
+        triton_only = name == "baseline:fla"
+        if not triton_only and not route.tilelang_installed():
+            return None, "FLA takes its TileLang stage only with tilelang installed and FLA_TILELANG not 0"
         try:
-            from kda.backends.fla import fla_triton_chunk_kda
-
-            run = fla_triton_chunk_kda()
+            step = fla_step(inputs, mode, triton_only=triton_only)
         except Exception as error:
             return None, f"FLA not usable here ({type(error).__name__}: {error})"
         if kwargs["q"].device.type != "cuda":
             return None, "FLA runs on CUDA only"
-        forward = lambda: run(**kwargs)  # noqa: E731
-    elif name == "baseline:flashkda":
+        return step, None
+    if name == "baseline:flashkda":
         made = _flashkda_direct(kwargs, mode)
         if isinstance(made, str):
             return None, made
@@ -117,6 +121,40 @@ def call_for(name: str, inputs: BenchInputs, mode: Mode) -> tuple[Callable[[], A
     else:
         forward = lambda: kda.chunk_kda(**kwargs, backend=name)  # noqa: E731
     return (with_backward(forward, inputs) if mode.training else forward), None
+
+
+def fla_step(inputs: BenchInputs, mode: Mode, *, triton_only: bool) -> Callable[[], Any]:
+    """FLA's own `chunk_kda` (its FlashKDA dispatcher peeled off), forward and in a training mode backward.
+
+    FLA 0.6 also dispatches inner stages at every call, backward ones included: with tilelang installed
+    (and ``FLA_TILELANG`` not 0) its TileLang `chunk_kda_bwd_wy_dqkg_fused` runs. With `triton_only` the
+    whole step runs inside `route.triton_path_only()`, so every stage is FLA's Triton kernel, as in the
+    `fla` backend; without, FLA routes as installed. The bench's FLA figure is thus one path whatever the
+    machine has installed; the results' settings say which (`fla_paths`)."""
+    from kda.backends.fla import fla_triton_chunk_kda
+
+    run = fla_triton_chunk_kda()
+    kwargs = inputs.kwargs
+    forward = lambda: run(**kwargs)  # noqa: E731
+    step = with_backward(forward, inputs) if mode.training else forward
+    if not triton_only:
+        return step
+
+    def on_triton() -> Any:
+        with route.triton_path_only():
+            return step()
+
+    return on_triton
+
+
+def fla_paths() -> dict[str, str]:
+    """What the FLA baselines run on this machine, for the results' settings."""
+    if not route.tilelang_installed():
+        return {"baseline:fla": "FLA's Triton kernels (no other route installed)"}
+    return {
+        "baseline:fla": "FLA's Triton kernels (its TileLang backward stage, installed, bypassed)",
+        "baseline:fla-tilelang": "FLA as installed: its TileLang backward stage where FLA takes it",
+    }
 
 
 def _flashkda_direct(kwargs: dict[str, Any], mode: Mode) -> Callable[[], Any] | str:

@@ -232,3 +232,15 @@ def test_a_snapshot_of_verification_alone_shows_its_gpu_and_verdicts(tmp_path):
     assert "### Some GPU, kda 0.1.0" in text and "verification only" in text
     assert "- `helion`: 2 case classes passed, 1 failed" in text
     assert " ms" not in text  # no timing
+
+
+def test_a_training_table_says_what_fla_ran_and_flags_runs_that_did_not_record_it():
+    recorded = {"modes": ["train_safe"], "backends": ["baseline:fla", "triton"], "fla_paths": {"baseline:fla": "X"}}
+    unrecorded = {"modes": ["train_safe"], "backends": ["baseline:fla", "tilelang"]}
+    inference = {"modes": ["fwd"], "backends": ["baseline:fla"]}
+    assert readme_results.fla_path_line([recorded], "train_safe") == ["", "FLA's path in these rows: X."]
+    line = readme_results.fla_path_line([recorded, unrecorded, inference], "train_safe")[1]
+    assert line.startswith("FLA's path in these rows: X; in other runs, not recorded (")
+    assert "TileLang backward stage" in line
+    assert readme_results.fla_path_line([inference], "fwd") == []  # one path forward: nothing to say
+    assert readme_results.fla_path_line([inference], "train_safe") == []  # no run timed FLA in training

@@ -13,7 +13,8 @@
 #                FlashKDA called directly beside kda's backends and auto, with --tune (BENCH_BACKENDS narrows
 #                the backends, e.g. "baseline:fla baseline:flashkda tilelang"; a shape takes minutes with all)
 #   train-bench  the training bench (train_safe) at SHAPES, FLA beside kda's training backends and auto, with
-#                --tune (TRAIN_BACKENDS narrows the backends)
+#                --tune (TRAIN_BACKENDS narrows the backends); FLA twice: on its Triton kernels (baseline:fla,
+#                the ratios' reference) and as installed (baseline:fla-tilelang: its TileLang backward stage)
 #   decode       the decode op (`--mode decode`) at DECODE_SHAPES (default: its 12 shapes), FLA's
 #                fused_recurrent_kda_fwd beside kda's backends and auto, against the copy bandwidth, with --tune
 #   decode-tune  benchmarks/decode_sweep.py: the decode kernel's launch candidates timed per state dtype, the
@@ -157,7 +158,7 @@ for target in "$@"; do
     ;;
   train-bench)
     # shellcheck disable=SC2046
-    bench train-bench 20 --tune $(printf -- '--backend %s ' ${TRAIN_BACKENDS:-baseline:fla fla triton helion tilelang auto}) \
+    bench train-bench 20 --tune $(printf -- '--backend %s ' ${TRAIN_BACKENDS:-baseline:fla baseline:fla-tilelang fla triton helion tilelang auto}) \
       --mode train_safe --cold-start none $(shape_args $SHAPES)
     ;;
   decode)

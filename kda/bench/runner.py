@@ -148,11 +148,17 @@ def fla_step(inputs: BenchInputs, mode: Mode, *, triton_only: bool) -> Callable[
 
 
 def fla_paths() -> dict[str, str]:
-    """What the FLA baselines run on this machine, for the results' settings."""
-    if not route.tilelang_installed():
+    """What the FLA baselines run on this machine, for the results' settings (`route.route_state`)."""
+    state = route.route_state()
+    if state == "off":
         return {"baseline:fla": "FLA's Triton kernels (no other route installed)"}
+    triton = (
+        "FLA's Triton kernels (its TileLang backward stage, installed, bypassed)"
+        if state == "bypassed"
+        else "FLA as installed: its stage registry was not found, so its TileLang stage could not be bypassed"
+    )
     return {
-        "baseline:fla": "FLA's Triton kernels (its TileLang backward stage, installed, bypassed)",
+        "baseline:fla": triton,
         "baseline:fla-tilelang": "FLA as installed: its TileLang backward stage where FLA takes it",
     }
 

@@ -101,11 +101,19 @@ def test_fla_baselines_need_cuda(fla, name, seed):
 
 
 def test_the_results_say_which_path_each_fla_baseline_ran(monkeypatch):
-    monkeypatch.setattr(runner.route, "tilelang_installed", lambda: True)
+    monkeypatch.setattr(runner.route, "route_state", lambda: "bypassed")
     paths = runner.fla_paths()
-    assert "bypassed" in paths["baseline:fla"] and "as installed" in paths["baseline:fla-tilelang"]
-    monkeypatch.setattr(runner.route, "tilelang_installed", lambda: False)
+    assert paths["baseline:fla"] == "FLA's Triton kernels (its TileLang backward stage, installed, bypassed)"
+    assert "as installed" in paths["baseline:fla-tilelang"]
+    monkeypatch.setattr(runner.route, "route_state", lambda: "not bypassed")
+    assert "could not be bypassed" in runner.fla_paths()["baseline:fla"]
+    monkeypatch.setattr(runner.route, "route_state", lambda: "off")
     assert runner.fla_paths() == {"baseline:fla": "FLA's Triton kernels (no other route installed)"}
+
+
+def test_the_recorded_path_is_the_one_the_registry_allows(fla):
+    """With the stand-in's registry found, FLA's TileLang stage is reported bypassed, as the step runs."""
+    assert runner.fla_paths()["baseline:fla"].endswith("bypassed)")
 
 
 def test_every_gradient_leaf_is_reached_through_the_stand_in(fla, seed):

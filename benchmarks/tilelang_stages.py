@@ -65,6 +65,8 @@ BUILDERS: dict[str, tuple[Any, str]] = {
     "gate_tail": (tails, "build_gate_tail"),
     "qk_tail": (tails, "build_qk_tail"),
 }
+# the shipped builders, which `use` puts back
+SHIPPED_BUILDS = {kernel: getattr(module, attribute) for kernel, (module, attribute) in BUILDERS.items()}
 
 
 class Variant(NamedTuple):
@@ -116,9 +118,6 @@ def use(variant: Variant | None) -> None:
     if variant is not None:
         module, attribute = BUILDERS[variant.kernel]
         setattr(module, attribute, variant.build)
-
-
-SHIPPED_BUILDS = {kernel: getattr(module, attribute) for kernel, (module, attribute) in BUILDERS.items()}
 
 
 def _nbytes(args: tuple) -> int:

@@ -122,3 +122,26 @@ def test_every_gradient_leaf_is_reached_through_the_stand_in(fla, seed):
     inputs = inputs_for("train_safe", seed)
     grads = runner.fla_step(inputs, MODES["train_safe"], triton_only=True)()
     assert len(grads) == len(inputs.leaves) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_the_route_is_found_when_fla_makes_its_registry_with_its_kda_stages(tmp_path, monkeypatch):
+    """FLA 0.6 makes its ``kda`` registry when its KDA stages are imported (`dispatch("kda")`), not with
+    `fla.backends`: asked before any FLA call (as the bench's settings ask), the route's state must import
+    them first. (On an H100 it did not, and both FLA rows said "registry not found".)"""
+    package = tmp_path / "fla"
+    (package / "ops" / "kda").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "backends.py").write_text("_operation_registries = {}\n")
+    (package / "ops" / "__init__.py").write_text("")
+    (package / "ops" / "kda" / "__init__.py").write_text(
+        "from fla.backends import _operation_registries\n\n"
+        "class Registry:\n    _backends = {'tilelang': object()}\n\n"
+        "_operation_registries['kda'] = Registry()\n"
+    )
+    for name in [name for name in sys.modules if name == "fla" or name.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(runner.route, "tilelang_installed", lambda: True)
+    assert "fla.ops.kda" not in sys.modules
+    assert runner.route.route_state() == "bypassed"
+    assert runner.fla_paths()["baseline:fla"].startswith("FLA's Triton kernels")

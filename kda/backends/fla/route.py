@@ -57,7 +57,9 @@ def route_state() -> str:
     if not tilelang_installed():
         return "off"
     with contextlib.suppress(Exception):
-        importlib.import_module("fla.backends")
+        # FLA makes the ``kda`` registry when its KDA stages are imported (`dispatch("kda")`), not with
+        # `fla.backends`: asked before any FLA call, the registry is found only once they are
+        importlib.import_module("fla.ops.kda")
     return "bypassed" if kda_registry() is not None else "not bypassed"
 
 

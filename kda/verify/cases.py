@@ -5,7 +5,8 @@ and never zero, scaled so that gates and decays are realistic, and include the e
 kernels: ``lower_bound=-5`` with a saturated sigmoid, a bound near 0, large ``|g + dt_bias|`` with a
 large ``exp(A_log)``, long cumulative decay inside one chunk (far past what ``exp`` of a chunk-wide
 cumsum survives in fp32), T and sequence boundaries that are not multiples of the chunk, an empty and a
-one-token sequence in a variable-length batch.
+one-token sequence in a variable-length batch, and keys that nearly repeat in a head that barely decays
+(the ``correlated`` regime, below).
 
 `full_grid()` is the set of case classes `python -m kda.verify --all` checks: every dtype x gate mode x
 forward/training combination, with the remaining features rotated through them, plus one-feature
@@ -27,7 +28,19 @@ import torch.nn.functional as F
 from kda.spec import CaseClass, GateMode, KDASpec
 from kda.verify.policy import LONG_T, MIN_CHUNKS_SPANNED
 
-Regime = Literal["realistic", "extreme", "near_zero_bound"]
+Regime = Literal["realistic", "extreme", "near_zero_bound", "correlated"]
+
+# The correlated regime: text that keeps to one topic, or repeats a token, in a head that remembers. Every
+# key of a head lies at this cosine to one direction, beta is large (about 0.75) and the decay slow, so
+# ``A_kk`` is large below its whole diagonal. Its inverse ``(I + A_kk)^-1`` stays small, but the powers of
+# ``A_kk`` grow like ``(1 + a)^C`` for entries near ``a``: an inverse summed from them (a Neumann series
+# over the chunk) cancels to garbage. In the tilelang backend's rounding replay
+# (`benchmarks/tilelang_precision.py`, bf16, C = 64, K = 128) such an inverse gave o 2.6e8 to 1.9e9 times
+# its size here; substitution 5.1e-3 to 5.8e-3 against the 8e-3 tolerance (4.0e-3 to 4.5e-3 in the
+# realistic regime). Random keys (cosine ~ K^-1/2, random signs) never show it. The cosine and beta are
+# where such an inverse fails by orders of magnitude while a right kernel on bf16 intermediates keeps its
+# margin: at cosine 0.6 and beta near 0.95, FLA's o reached 7.3e-3 (sigmoid2 beta near 1.9) on an H100.
+CORRELATED_COSINE = 0.75
 
 # Heads in a verification case: 2 q/k heads, each shared by 2 value heads under GVA.
 _H = 2
@@ -71,12 +84,12 @@ class VerificationCase:
 def cases_for(
     case_class: CaseClass, *, quick: bool, like: KDASpec | None = None, long: bool = False
 ) -> list[VerificationCase]:
-    """Concrete cases for a class: one realistic case when `quick`, else three (realistic, extreme, and a
-    shape/regime variant); with `long`, also one realistic case of more than `LONG_T` tokens. With `like`,
-    head dims and the GVA group follow that call.
+    """Concrete cases for a class: a realistic and a correlated case when `quick`, else four (those, an
+    extreme one, and a shape/regime variant); with `long`, also one realistic case of more than `LONG_T`
+    tokens. With `like`, head dims and the GVA group follow that call.
 
-    The realistic case always spans more than four chunks and ends in a partial one (4C + 13 tokens in
-    one sequence), so that a backend wrong only past its first chunks, or only on a ragged tail, fails in
+    The realistic and correlated cases always span more than four chunks and end in a partial one (4C + 13
+    tokens in one sequence), so that a backend wrong only past its first chunks, or only on a ragged tail, fails in
     quick verification too. The long case (several dozen chunks) is where an error that grows with T,
     such as a state kept in low precision, shows.
     """
@@ -99,8 +112,10 @@ def cases_for(
         return VerificationCase(case_class, regime, B, heads, HV, K, V, seq_lens, case_class.dtype, **extra)
 
     spanning = MIN_CHUNKS_SPANNED * C + 13
-    realistic = sized("realistic", (spanning, C - 5, 17) if case_class.varlen else (spanning,))
-    cases = [realistic]
+    lengths = (spanning, C - 5, 17) if case_class.varlen else (spanning,)
+    # quick verification (the dispatcher's, on first use) takes the correlated case too: a backend whose
+    # inverse cancels there returns inf or garbage for real inputs while passing every random one
+    cases = [sized("realistic", lengths), sized("correlated", lengths)]
     if not quick:
         extreme = sized("extreme", (3 * C - 5, 1, 0, C + 1) if case_class.varlen else (3 * C - 5,))
         variant_regime: Regime = "near_zero_bound" if case_class.gate.bounded_sigmoid else "realistic"
@@ -138,16 +153,26 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
         return torch.rand(*shape, generator=gen, dtype=torch.float64) * (high - low) + low
 
     q, k = randn(B, T, H, K), randn(B, T, H, K)
+    correlated = case.regime == "correlated"
+    if correlated:  # every key of a head near one direction (CORRELATED_COSINE), lengths kept random
+        shared = F.normalize(randn(B, 1, H, K), dim=-1)
+        spread = math.sqrt(1.0 - CORRELATED_COSINE**2)
+        k = (CORRELATED_COSINE * shared + spread * F.normalize(k, dim=-1)) * k.norm(dim=-1, keepdim=True)
     if not cc.qk_l2norm:  # the model normalised q, k itself: keep the delta rule contractive
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     v = randn(B, T, HV, V)
-    beta = uniform(0.05, 0.95, B, T, HV) if cc.beta == "given" else randn(B, T, HV, scale=1.5)
+    if correlated:  # beta large: about 0.75 (1.5 with sigmoid2)
+        beta = uniform(0.6, 0.9, B, T, HV) if cc.beta == "given" else randn(B, T, HV, scale=0.5, shift=1.0)
+    else:
+        beta = uniform(0.05, 0.95, B, T, HV) if cc.beta == "given" else randn(B, T, HV, scale=1.5)
 
     kwargs: dict[str, Any] = {}
     extreme = case.regime == "extreme"
     if cc.gate is GateMode.PREGATED:
         if extreme:  # long cumulative decay: a 64-token chunk decays by ~250 in log space
             g = -uniform(2.0, 6.0, B, T, HV, K)
+        elif correlated:  # a head that remembers: about -1e-2 a token in log space
+            g = -uniform(0.0, 0.03, B, T, HV, K)
         else:
             g = F.logsigmoid(randn(B, T, HV, K, scale=1.5, shift=1.0))
     else:
@@ -155,10 +180,21 @@ def make_inputs(case: VerificationCase, device: torch.device | str) -> tuple[dic
         if extreme:  # large |g + dt_bias| and a large exp(A_log): saturates sigmoid and softplus
             g = randn(B, T, HV, K, scale=8.0)
             A_log = uniform(1.0, 3.0, HV)
+        elif correlated:
+            A_log = uniform(0.0, math.log(16.0), HV)
         else:
             g = randn(B, T, HV, K)
             A_log = uniform(0.0, math.log(16.0), HV)
         dt_bias = uniform(-5.0, -2.0, HV, K) if cc.gate is GateMode.SOFTPLUS else randn(HV, K, scale=0.5)
+        if correlated:
+            # the activation's argument near -6 (A (g + dt_bias) for the sigmoid gates, g + dt_bias for
+            # softplus): a log decay of about -1e-2 a token, and a derivative (~2e-3) that fp32 holds (an
+            # argument near -14 gave derivatives below fp32's range, which no fp32 kernel can return)
+            argument = randn(B, T, HV, K, scale=0.5, shift=-6.0)
+            if cc.gate.bounded_sigmoid:
+                gain = 1.0 if case.safe_without_A_log else A_log.exp()[:, None]
+                argument = argument / gain
+            g = argument - dt_bias
         parameter_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the model's weights
         kwargs["dt_bias"] = (dt_bias if case.dt_bias_2d else dt_bias.reshape(-1)).to(parameter_dtype)
         if not case.safe_without_A_log:

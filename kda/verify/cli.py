@@ -51,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backend", action="append", default=[], metavar="NAME", help="verify this backend (repeatable)"
     )
-    parser.add_argument("--quick", action="store_true", help="one case per class instead of three")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a realistic and a correlated case per class instead of four (one decode case instead of three)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--device", default=None, help="device to verify on (default: cuda if present, else cpu)")
     parser.add_argument("--case", action="append", default=[], metavar="KEY", help="only this case class (repeatable)")

@@ -28,6 +28,7 @@ from kda.backends.torch import TorchBackend
 from kda.spec import CaseClass, GateMode
 from kda.verify import cli
 from kda.verify import records as records_module
+from kda.verify.cases import cases_for
 from kda.verify.check import is_verifying as in_verification
 from kda.verify.policy import required_tensors, tolerance
 from kda.verify.records import Record, RecordStore, default_store, fingerprint, fingerprint_id, package_versions
@@ -228,7 +229,8 @@ def test_new_backend_version_is_unverified_end_to_end(seed, monkeypatch):
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call, backend="wrapped")
     assert [r.backend for r in routes] == ["wrapped"]
-    assert v2.verify_calls == 1, "the new version must be verified anew"
+    quick_cases = len(cases_for(CaseClass.from_key(key), quick=True))  # realistic and correlated
+    assert v2.verify_calls == quick_cases == 2, "the new version must be verified anew"
     files = sorted(p.name for p in (Path(os.environ["KDA_CACHE_DIR"]) / "verification").glob("wrapped-*.json"))
     assert len(files) == 2, files  # one per fingerprint
 

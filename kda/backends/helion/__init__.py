@@ -6,7 +6,7 @@ Stages, one module and one Helion kernel each (the math is in each module's docs
 1. `gate`      : the gate and beta activations, with the in-chunk cumulative sum of the gate;
 2. `scores`    : per 16-row strip of a chunk, the causal scores ``A_kk``, ``A_qk`` (anchored products off
                  the diagonal, exact elementwise on it) and ``q_e``;
-3. `solve`     : per chunk, ``T = (I + A_kk)^-1`` by Neumann doubling, then ``w``, ``u``, ``k_g``;
+3. `solve`     : per chunk, ``T = (I + A_kk)^-1`` by 16-row blocks, then ``w``, ``u``, ``k_g``;
 4. `state`     : the serial pass over each sequence's chunks: ``h`` and ``v_new``;
 5. `output`    : ``o`` in parallel over chunks.
 
@@ -41,7 +41,7 @@ class HelionBackend(Backend):
     """kda's own Helion kernels: forward and training, on CUDA or in Helion's CPU interpreter."""
 
     name = "helion"
-    version = "4"  # bump whenever a kernel changes: verification records are kept per version
+    version = "5"  # bump whenever a kernel changes: verification records are kept per version
     priority = 4  # below triton and fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True

@@ -65,6 +65,13 @@ def dot_precision(spec: KDASpec) -> str:
     return "tf32x3" if spec.requires_grad else "tf32"
 
 
+def solve_precision(precision: str) -> str:
+    """The inverse's products: a 16-block's Neumann sum reaches about 3432 times the inverse's size on
+    correlated keys, so its products start at fp32's error (``tf32x3``), never TF32's, which the Newton
+    step after it cannot repair (`solve` says why)."""
+    return "tf32x3" if precision == "tf32" else precision
+
+
 def output_precision(precision: str) -> str:
     """The output's products: ``o`` never reaches the backward, so half-precision training takes one TF32
     product there, as inference does. Compiled for sm_90a at B1_T8192_H96_D128 in training, TF32x3 held
@@ -157,11 +164,16 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     k_g = empty(NT, HV, C, K) if stored else G
     u = empty(NT, HV, C, V)  # u, then v_new (the state pass writes over it)
     if chunks:
-        run(
+        # its own precision (`solve_precision`); the arguments inline, so that no name outlives `release`
+        runtime.launch(
             solve.solve_kernel,
-            k, row_scales("rstd_k"), inputs.v.reshape(tokens, HV, V), G, kept["beta"], layout.chunk_starts,
-            layout.chunk_seq_ends, kept["M"], kept["T"] if training else kept["M"], kept["w"], u, k_g,
-            plan.group, C, C.bit_length() - 1, training, L2, stored,
+            solve_precision(plan.precision),
+            (
+                k, row_scales("rstd_k"), inputs.v.reshape(tokens, HV, V), G, kept["beta"], layout.chunk_starts,
+                layout.chunk_seq_ends, kept["M"], kept["T"] if training else kept["M"], kept["w"], u, k_g,
+                plan.group, C, C // solve.SUB, training, L2, stored,
+            ),
+            plan.key,
         )  # fmt: skip
     release("beta", "M", "T", "rstd_k")
 

@@ -4,8 +4,8 @@ Stages, one module each (the math is in each module's docstring), three kernels:
 
 1. `gate`   : the gate and beta activations, with the in-chunk cumulative sum of the gate: a TileLang
               macro expanded at the start of `intra`, so ``G`` stays in shared memory;
-2. `intra`  : per chunk, the causal scores by 16-row strips (``wgmma``), ``T = (I + A_kk)^-1`` by Neumann
-              doubling (``wgmma`` on bf16 halves of the fp32 operands), and ``w``, ``u``, ``q_e``, ``k_g``;
+2. `intra`  : per chunk, the causal scores by 16-row strips (``wgmma``), ``T = (I + A_kk)^-1`` by 16-row
+              blocks (substitution on the diagonal, ``wgmma`` on bf16 halves between them), and ``w``, ``u``, ``q_e``, ``k_g``;
 3. `state`  : the serial pass over each sequence's chunks (``wgmma``, the next chunk's tiles loaded
               ahead by the bulk copy engine);
 4. `output` : ``o`` in parallel over chunks.
@@ -43,7 +43,7 @@ class TileLangBackend(Backend):
     """kda's own TileLang kernels, forward and backward, on Hopper GPUs."""
 
     name = "tilelang"
-    version = "7"  # bump whenever a kernel changes: verification records are kept per version
+    version = "8"  # bump whenever a kernel changes: verification records are kept per version
     priority = 3  # below triton, helion and fla until measured faster: `kda.bench --tune` decides
     trains = True
     writes_into_outputs = True

@@ -27,20 +27,25 @@ size nothing bounds. A strip past its limit (an unbounded gate at its extremes)
 computes its diagonal block exactly, element by element, ``exp`` of each ``G_i - G_j <= 0`` in fp32. The
 branch is taken per strip at run time.
 
-The inverse is the Neumann series of the nilpotent ``N = -A_kk`` (``N^C = 0``), summed by doubling::
+The inverse, with ``N = -A_kk`` split into its ``[16, 16]`` diagonal blocks ``N_d`` and the rest ``N_o``::
 
-    T_1 = I + N,  P_1 = N;    P_{m+1} = P_m P_m,  T_{m+1} = T_m + P_{m+1} T_m;    T = T_{log2 C}
+    X = (I - N_d)^-1           each diagonal block by substitution, in fp32: a thread a column of a block
+    T = X;  for I = 1, 2, ...:   T[I] += X[I] (N_o T)[I]              block forward substitution
 
-``log2(C) - 1`` rounds of two ``[C, C]`` products, no serial row-by-row substitution. ``P`` and ``T`` are
-fp32 values held in shared memory as two bf16 halves each (`high`, `low`: ``x = high + low`` to 16
-significant bits) and each product is the three terms above 2^-16,
+Each step is two ``[C, C]`` products: ``N_o T``, then ``T Z`` for ``Z`` that product's block row ``I``
+(zero elsewhere), since ``T``'s block column ``I`` is ``X_I`` on the diagonal and still zero below it.
+Every product involves ``T``-sized values only. A Neumann series over the chunk (the powers of ``N``,
+summed by doubling, as this kernel did before) reaches ``(1 + a)^C`` times the inverse where the chunk's
+keys share a direction and the gate barely decays (the verifier's ``correlated`` case), and cancels to
+garbage. ``N``, ``T`` and ``Z`` are fp32 values held in shared memory as two bf16 halves each (`high`,
+`low`: ``x = high + low`` to 16 significant bits) and each product is the three terms above 2^-16,
 ``A_hi B_hi + A_hi B_lo + A_lo B_hi``, accumulated in fp32: 16-bit operands are what ``wgmma`` reads
 from shared memory, where fp32 operands became TF32 ``mma.sync`` fed by scalar shared loads (10
-significant bits). ``T`` accumulates in fp32 registers across the rounds. ``w`` and ``u`` are then products
+significant bits). ``T`` accumulates in fp32 registers across the steps. ``w`` and ``u`` are then products
 of ``T`` (rounded to the inputs' dtype, as FLA rounds it) with the scaled keys and values.
 
 Operands of the score products are the inputs' dtype (bf16 or fp16) with fp32 accumulation; ``G`` stays
-fp32 in shared memory, ``A_kk`` and its powers as the bf16 halves above (``A_qk`` is rounded once, a
+fp32 in shared memory, ``A_kk`` and ``T`` as the bf16 halves above (``A_qk`` is rounded once, a
 strip at a time). Outputs are chunk-major in the inputs' dtype; rows past the sequence's end load as
 zeros and store zeros.
 
@@ -61,9 +66,9 @@ Shared memory and registers decide how many chunks an SM works on at once: at C 
 kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
 (228 KB, 1 KB reserved a block; 65536 registers, all of them). With ``save`` the shared memory is the same
 (``beta k exp(G)``'s low half reuses the strips' column buffer, and TileLang's planner places ``beta v``'s in
-buffers no longer live) and nvcc gives 145 registers: one block an SM. For the shared memory, ``A_qk`` leaves a
-strip at a time from a ``[16, C]`` buffer in the inputs' dtype, and the last Neumann round rounds ``T``
-straight from its registers into the operand of ``w`` and ``u``.
+buffers no longer live) and nvcc gives 155 registers: one block an SM. For the shared memory, ``A_qk`` leaves a
+strip at a time from a ``[16, C]`` buffer in the inputs' dtype, ``T`` goes straight from its registers into
+the operand of ``w`` and ``u``, and the planner places ``Z``'s halves in buffers dead by the inverse.
 
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic.
 """
@@ -78,6 +83,7 @@ from kda.backends.tilelang import gate
 from kda.reference import L2NORM_EPS
 
 STRIP = 16
+SUB = 16  # rows of the inverse's diagonal blocks
 SPLIT = "bfloat16"  # the halves of the inverse's fp32 operands
 
 
@@ -127,7 +133,6 @@ def build(
     H, HV = T.dynamic("H"), T.dynamic("HV")  # head counts: no compile per model either
     f32 = "float32"
     group = HV // H
-    rounds = C.bit_length() - 2  # log2(C) - 1
     limit = span_limit(dtype, l2norm)
     threads = threads_for(C)
     # M = C = 64 reaches wgmma's 64 rows: the products of a step are issued together and waited on once
@@ -137,8 +142,11 @@ def build(
     scan_and_beta = gate.scan(C, K, threads, beta_sigmoid, beta_scale)
     bias_shape = (HV, K) if has_dt_bias else (1,)
 
-    def saved(*shape):  # what training keeps for the backward; a placeholder at inference
-        return shape if save else (1,)
+    # what training keeps for the backward, a placeholder at inference. Shapes, not a helper called in the
+    # signature: a helper's `return` once reached TileLang's builder while kernels lowered on two threads
+    saved_rows = (NT, HV, C, K) if save else (1,)
+    saved_beta = (NT, HV, C) if save else (1,)
+    saved_square = (NT, HV, C, C) if save else (1,)
 
     norms = save and l2norm  # the rows' reciprocal norms
     # training keeps what dA_log needs in fp32 (docs/design.md, "Where dA_log's error comes from"): the
@@ -163,10 +171,10 @@ def build(
         w: T.Tensor((NT, HV, C, K), dtype),  # out
         u: T.Tensor((NT, HV, C, V), u_dtype),  # out (fp32 when training)
         A_qk: T.Tensor((NT, HV, C, C), dtype),  # out
-        G_out: T.Tensor(saved(NT, HV, C, K), f32),  # out when training: G
-        beta_out: T.Tensor(saved(NT, HV, C), f32),  # out when training: beta as activated (0 past the end)
-        M_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: A_kk / beta, strictly lower
-        T_out: T.Tensor(saved(NT, HV, C, C), f32),  # out when training: (I + A_kk)^-1
+        G_out: T.Tensor(saved_rows, f32),  # out when training: G
+        beta_out: T.Tensor(saved_beta, f32),  # out when training: beta as activated (0 past the end)
+        M_out: T.Tensor(saved_square, f32),  # out when training: A_kk / beta, strictly lower
+        T_out: T.Tensor(saved_square, f32),  # out when training: (I + A_kk)^-1
         rstd_q: T.Tensor((tokens, H) if norms else (1,), f32),  # out when training with the l2norm: r
         rstd_k: T.Tensor((tokens, H) if norms else (1,), f32),
     ):
@@ -309,30 +317,58 @@ def build(
 
                 T.copy(Aqk_s, A_qk[c, hv, a, 0])
 
+            # the inverse (see the module docstring): the diagonal blocks by substitution, a thread a column
+            # of one block, in fp32 registers; X's halves go to T's buffers, zero off the diagonal blocks
             for i, j in T.Parallel(C, C):
-                one = T.if_then_else(i == j, 1.0, 0.0)  # N's diagonal is 0: T's halves are N's, plus I
-                acc_T[i, j] = T.cast(P_hi[i, j], f32) + T.cast(P_lo[i, j], f32) + one
-                T_hi[i, j] = T.cast(T.cast(P_hi[i, j], f32) + one, SPLIT)
-                T_lo[i, j] = P_lo[i, j]
-            T_h = T.alloc_shared((C, C), dtype)  # T in the inputs' dtype, the operand of w and u
-            for m in T.serial(rounds):
-                gemm(P_hi, P_hi, acc_cc, clear_accum=True)  # P P, the three terms above 2^-16
-                gemm(P_hi, P_lo, acc_cc)
-                gemm(P_lo, P_hi, acc_cc)
+                T_hi[i, j] = T.cast(0, SPLIT)
+                T_lo[i, j] = T.cast(0, SPLIT)
+            column = T.get_thread_binding()
+            x_col = T.alloc_local((SUB,), f32)  # the thread's column of X in its block, rows in order
+            total = T.alloc_local((1,), f32)
+            if column < C:
+                base = (column // SUB) * SUB
+                for r in T.unroll(SUB):
+                    x_col[r] = 0.0
+                for r in T.unroll(SUB):
+                    total[0] = 0.0
+                    for s_ in T.unroll(SUB):
+                        if s_ < r:  # rows above the column's own are 0, so the sum may start at the block's top
+                            n_rs = T.cast(P_hi[base + r, base + s_], f32) + T.cast(P_lo[base + r, base + s_], f32)
+                            total[0] += n_rs * x_col[s_]
+                    x_col[r] = T.if_then_else(base + r == column, 1.0, total[0])
+                for r in T.unroll(SUB):
+                    T_hi[base + r, column] = high(x_col[r])
+                    T_lo[base + r, column] = low(x_col[r])
+            for i, j in T.Parallel(C, C):  # N's diagonal blocks are spent: P holds N_o from here
+                if i // SUB == j // SUB:
+                    P_hi[i, j] = T.cast(0, SPLIT)
+                    P_lo[i, j] = T.cast(0, SPLIT)
+            for i, j in T.Parallel(C, C):
+                acc_T[i, j] = T.cast(T_hi[i, j], f32) + T.cast(T_lo[i, j], f32)
+            # block forward substitution: block row I takes X_I (N_o T)_I, the rows above it final by then;
+            # T itself stands in for X (row block I of T Z is X_I Z_I when Z is zero outside row block I)
+            Z_hi = T.alloc_shared((C, C), SPLIT)
+            Z_lo = T.alloc_shared((C, C), SPLIT)
+            for step in T.unroll(C // SUB - 1):
+                gemm(P_hi, T_hi, acc_cc, clear_accum=True)  # N_o T, the three terms above 2^-16
+                gemm(P_hi, T_lo, acc_cc)
+                gemm(P_lo, T_hi, acc_cc)
                 if wgmma:
                     T.wait_wgmma(0)
                 for i, j in T.Parallel(C, C):
-                    P_hi[i, j] = high(acc_cc[i, j])
-                    P_lo[i, j] = low(acc_cc[i, j])
-                gemm(P_hi, T_hi, acc_T)  # T + P T, accumulated onto T in registers (fp32)
-                gemm(P_hi, T_lo, acc_T)
-                gemm(P_lo, T_hi, acc_T)
+                    mine = i // SUB == step + 1
+                    Z_hi[i, j] = T.if_then_else(mine, high(acc_cc[i, j]), T.cast(0, SPLIT))
+                    Z_lo[i, j] = T.if_then_else(mine, low(acc_cc[i, j]), T.cast(0, SPLIT))
+                gemm(T_hi, Z_hi, acc_T)  # T + X_I Z_I, accumulated onto T in registers (fp32)
+                gemm(T_hi, Z_lo, acc_T)
+                gemm(T_lo, Z_hi, acc_T)
                 if wgmma:
                     T.wait_wgmma(0)
-                if m < rounds - 1:
+                if step < C // SUB - 2:
                     for i, j in T.Parallel(C, C):
                         T_hi[i, j] = high(acc_T[i, j])
                         T_lo[i, j] = low(acc_T[i, j])
+            T_h = T.alloc_shared((C, C), dtype)  # T in the inputs' dtype, the operand of w and u
             T.copy(acc_T, T_h)
             if save:
                 T.copy(acc_T, T_out[c, hv, 0, 0])

@@ -122,6 +122,21 @@ def test_forward_matches_the_reference(seed, interpreter, variant, regime):
     assert result.passed, (cc.key, result.reason, result.errors)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [dict(dtype="bfloat16", chunk_size=64), dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given")],
+    ids=variant_id,
+)
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+def test_correlated_keys_in_a_remembering_head(seed, interpreter, variant, training):
+    """The verifier's correlated regime (`kda.verify.cases`), where an inverse summed as a Neumann series
+    over the chunk cancels to garbage: this backend's diagonal blocks (products, then a Newton step) and
+    their merge hold."""
+    cc = case_class(**variant, training=training)
+    result = run_case(interpreter, small_case(cc, "correlated", seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+
+
 @pytest.mark.parametrize("K, V", [(8, 24), (40, 16), (64, 64)])
 def test_head_dims_that_are_not_powers_of_two(seed, interpreter, K, V):
     cc = case_class(head_dim=64)

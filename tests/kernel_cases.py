@@ -46,6 +46,13 @@ def small_case(cc: CaseClass, regime: str, *, K: int = 16, V: int = 32, seed: in
     return VerificationCase(cc, regime, 2, H, HV, K, V, (2 * C + 7,), cc.dtype, seed=seed)
 
 
+# the verifier's correlated case (keys near one direction in a slowly decaying head), where an inverse summed
+# as a Neumann series over the chunk cancels to garbage: a bf16 chunk-64 class and a pre-gated fp32 one
+CORRELATED_VARIANTS = [
+    dict(dtype="bfloat16", chunk_size=64),
+    dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given"),
+]
+
 TRAINING_VARIANTS = [
     dict(),
     dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given", chunk_size=64),

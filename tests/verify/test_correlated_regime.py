@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import case_class
 
 import kda
 from kda.backends.torch import chunked
@@ -20,21 +21,9 @@ GATES = [GateMode.PREGATED, GateMode.SOFTPLUS, GateMode.SIGMOID, GateMode.SAFE]
 
 
 def _class(gate: GateMode, **changes) -> CaseClass:
-    fields = dict(
-        gate=gate,
-        qk_l2norm=gate is not GateMode.PREGATED,
-        beta="given" if gate is GateMode.PREGATED else "sigmoid",
-        dtype="float32",
-        varlen=False,
-        gva=False,
-        initial_state=True,
-        final_state=True,
-        state_v_first=False,
-        chunk_size=64,
-        head_dim=64,
-        training=False,
-    )
-    return CaseClass(**{**fields, **changes})
+    """fp32 at chunk 64: the test's own errors are then the backend's arithmetic, not bf16 storage."""
+    given = gate is GateMode.PREGATED
+    return case_class(gate=gate, qk_l2norm=not given, beta="given" if given else "sigmoid", chunk_size=64, **changes)
 
 
 def _inputs(cc: CaseClass, regime: str, seed: int, K: int = 64) -> dict:

@@ -17,7 +17,15 @@ import warnings
 
 import pytest
 import torch
-from kernel_cases import TRAINING_VARIANTS, case_class, expected_gradients, small_case, training_class, variant_id
+from kernel_cases import (
+    CORRELATED_VARIANTS,
+    TRAINING_VARIANTS,
+    case_class,
+    expected_gradients,
+    small_case,
+    training_class,
+    variant_id,
+)
 
 import kda
 from kda.spec import GateMode
@@ -69,11 +77,7 @@ def test_backward_gives_every_gradient(seed, interpreter, variant, regime):
     assert expected_gradients(cc) <= set(result.errors)
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [dict(dtype="bfloat16", chunk_size=64), dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given")],
-    ids=variant_id,
-)
+@pytest.mark.parametrize("variant", CORRELATED_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
 def test_correlated_keys_in_a_remembering_head(seed, interpreter, variant, training):
     """The verifier's correlated regime (`kda.verify.cases`). `solve` summed the inverse as a Neumann series

@@ -19,6 +19,7 @@ import nonfinite
 import pytest
 import torch
 from kernel_cases import (
+    CORRELATED_VARIANTS,
     TRAINING_VARIANTS,
     case_class,
     expected_gradients,
@@ -122,11 +123,7 @@ def test_forward_matches_the_reference(seed, interpreter, variant, regime):
     assert result.passed, (cc.key, result.reason, result.errors)
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [dict(dtype="bfloat16", chunk_size=64), dict(gate=GateMode.PREGATED, qk_l2norm=False, beta="given")],
-    ids=variant_id,
-)
+@pytest.mark.parametrize("variant", CORRELATED_VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
 def test_correlated_keys_in_a_remembering_head(seed, interpreter, variant, training):
     """The verifier's correlated regime (`kda.verify.cases`), where an inverse summed as a Neumann series

@@ -16,17 +16,23 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import case_class
 
 import kda
 from kda import dispatch, registry
 from kda.backends.torch import TorchBackend
 from kda.verify import cli
+from kda.verify.cases import cases_for
 from kda.verify.check import is_verifying as in_verification
 from kda.verify.records import default_store
 
 # fla, flashkda, triton, helion and tilelang are built in, and unavailable on a machine without their packages or a GPU;
 # the tests below are about the other backends, so they leave those out of their lists.
 ADAPTERS = {"fla", "flashkda", "triton", "helion", "tilelang"}
+
+
+# a lazy (quick) check runs each class's realistic and correlated case: two forward calls a class
+QUICK_CASES = len(cases_for(case_class(), quick=True))
 
 
 def own_names() -> list[str]:
@@ -150,7 +156,7 @@ def test_wrong_backend_is_rejected_and_never_used_by_auto(seed, mode):
 
     assert final is None
     assert [(r.backend, r.phase, r.case_class) for r in routes] == [("torch", "forward", key)]
-    assert wrong.verify_calls == 1, "auto must verify the wrong backend (it has the top priority)"
+    assert wrong.verify_calls == QUICK_CASES, "auto must verify the wrong backend (it has the top priority)"
     assert wrong.calls == 0, "the wrong backend ran the real call"
     expected, _ = kda.chunk_kda(**call, backend="torch")
     assert torch.equal(o, expected)
@@ -175,7 +181,7 @@ def test_correct_backend_is_verified_lazily_then_chosen(seed):
         o, _ = kda.chunk_kda(**call)
 
     assert [r.backend for r in routes] == ["good"]
-    assert (good.verify_calls, good.calls) == (1, 1)
+    assert (good.verify_calls, good.calls) == (QUICK_CASES, 1)
     files = [p.name for p in verification_files()]
     assert any(name.startswith("good-") for name in files), files
     record = default_store().get(good, "cpu", key)
@@ -187,7 +193,7 @@ def test_correct_backend_is_verified_lazily_then_chosen(seed):
     with kda.trace_routes() as routes:
         kda.chunk_kda(**inputs(T=37))
     assert [r.backend for r in routes] == ["good"]
-    assert (good.verify_calls, good.calls) == (1, 2)
+    assert (good.verify_calls, good.calls) == (QUICK_CASES, 2)
     assert "passed" in str(kda.explain(**call)) and "chosen: good" in str(kda.explain(**call))
 
 
@@ -208,7 +214,7 @@ def test_backend_that_raises_is_rejected_with_its_error(seed):
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call)
     assert [r.backend for r in routes] == ["torch"]
-    assert boom.verify_calls == 1 and boom.calls == 0
+    assert boom.verify_calls == QUICK_CASES and boom.calls == 0
 
     reasons = kda.explain(**call).decision.reasons()
     assert "boomer" in reasons and "torch" not in reasons
@@ -284,7 +290,7 @@ def test_explicit_wrong_backend_raises_and_never_falls_back(seed, monkeypatch):
         kda.chunk_kda(**call, backend="wrong")
     assert routes == []
     assert torch_calls["calls"] == 0, "torch ran although only 'wrong' was requested"
-    assert wrong.calls == 0 and wrong.verify_calls == 1
+    assert wrong.calls == 0 and wrong.verify_calls == QUICK_CASES
     assert list(error.value.reasons) == ["wrong"]
     assert "failed verification" in str(error.value) and "requested: wrong" in str(error.value)
 
@@ -486,7 +492,7 @@ def test_failing_record_is_cached(seed):
     call = inputs()
     key = case_key(call)
     kda.chunk_kda(**call)
-    assert wrong.verify_calls == 1
+    assert wrong.verify_calls == QUICK_CASES
     record = default_store().get(wrong, "cpu", key)
     assert record is not None and not record.passed and "rel. error" in record.reason
 
@@ -500,7 +506,7 @@ def test_failing_record_is_cached(seed):
     with pytest.raises(kda.BackendSelectionError):
         kda.chunk_kda(**call, backend="wrong")
     assert "failed verification" in str(kda.explain(**call))
-    assert wrong.verify_calls == 1 and wrong.calls == 0
+    assert wrong.verify_calls == QUICK_CASES and wrong.calls == 0
 
 
 # ---------------------------------------------------------------------------------------------- registry

@@ -63,7 +63,8 @@ def fingerprint_id(fp: dict[str, Any]) -> str:
 
 
 # Bumped whenever what a record holds changes meaning; a record of another format counts as absent.
-RECORD_FORMAT = 2
+# 3: every chunk class holds a correlated case (`kda.verify.cases`); a record made before it is verified again.
+RECORD_FORMAT = 3
 
 
 @dataclass

@@ -31,7 +31,15 @@ from kda.verify import records as records_module
 from kda.verify.cases import cases_for
 from kda.verify.check import is_verifying as in_verification
 from kda.verify.policy import required_tensors, tolerance
-from kda.verify.records import Record, RecordStore, default_store, fingerprint, fingerprint_id, package_versions
+from kda.verify.records import (
+    RECORD_FORMAT,
+    Record,
+    RecordStore,
+    default_store,
+    fingerprint,
+    fingerprint_id,
+    package_versions,
+)
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -395,7 +403,7 @@ def test_record_with_wrongly_typed_field_is_no_record(seed, kind):
         kda.chunk_kda(**call)
     assert [r.backend for r in routes] == ["torch"]
     data = json.loads(path.read_text())
-    assert data["records"][key]["source"] == "lazy" and data["records"][key]["format"] == 2
+    assert data["records"][key]["source"] == "lazy" and data["records"][key]["format"] == RECORD_FORMAT
     assert default_store().get(torch_backend, "cpu", key).passed
     assert data["records"][other_key]["source"] == "verify"  # merged, not dropped
 

@@ -20,6 +20,8 @@ the backend met the policy on cases that could have caught it:
   produced (the output, the final state when the class returns one, the gradients when it trains);
 - one case spans at least four chunks of one sequence with a ragged tail (a backend wrong only past its
   first few chunks, or only on a partial last chunk, fails there);
+- one case is of the correlated regime (`kda.verify.cases`), where an inverse summed from the powers of
+  ``A_kk`` cancels to garbage though every random case passes;
 - on CUDA, a forward class also has its long case (T >= `LONG_T`), where an error that grows with T shows;
 - no case recorded a problem other than accuracy (an exception, modified inputs, a wrong dtype or shape).
 """
@@ -167,6 +169,8 @@ def assess_chunk(case_class_key: str, cases: Sequence[Mapping[str, Any]], *, on_
     lengths = [tuple(c.get("seq_lens") or ()) for c in ran]
     if not any(_is_lengths(s) and spans_enough_chunks(s, case_class.chunk_size) for s in lengths):
         problems.append(f"no case spans {MIN_CHUNKS_SPANNED} chunks of {case_class.chunk_size} with a ragged tail")
+    if not any(c.get("regime") == "correlated" for c in ran):
+        problems.append("no correlated case (`kda.verify.cases`: keys near one direction, slow decay)")
     if on_cuda and not case_class.training and not any(_number(c.get("T")) and c["T"] >= LONG_T for c in ran):
         problems.append(f"no long case (T >= {LONG_T}) for this forward class on CUDA")
     if problems:

@@ -24,7 +24,7 @@ from kda.spec import CaseClass, GateMode
 from kda.verify.cases import cases_for
 from kda.verify.check import ClassResult, is_verifying, run_case, verify_class
 from kda.verify.judge import assess
-from kda.verify.policy import LONG_T, LOW_PRECISION_TOLERANCE, tolerance
+from kda.verify.policy import LONG_T, LOW_PRECISION_TOLERANCE, required_tensors, tolerance
 from kda.verify.records import RECORD_FORMAT, default_store, fingerprint
 
 # A cheap forward class with a final state, at chunk 32 (the chunk of the report: cases 77, 91, 29 long).
@@ -130,10 +130,11 @@ def test_policy_change_needs_no_reverification(seed, monkeypatch):
     key = FWD.key
     case = {"T": 141, "seq_lens": [141, 141], "unsupported": False, "problems": []}
     case["errors"] = {"o": 0.6e-3, "final_state": 0.2e-3}  # 0.6 of fp32's 1e-3
-    assert assess(key, [case], on_cuda=False).passed
-    assert assess(key, [case], on_cuda=False).worst_ratio == pytest.approx(0.6)
+    cases = [case, {**case, "regime": "correlated"}]
+    assert assess(key, cases, on_cuda=False).passed
+    assert assess(key, cases, on_cuda=False).worst_ratio == pytest.approx(0.6)
     monkeypatch.setenv("KDA_TOLERANCE_SCALE", "0.5")
-    judged = assess(key, [case], on_cuda=False)
+    judged = assess(key, cases, on_cuda=False)
     assert not judged.passed and judged.worst_ratio == pytest.approx(1.2) and "o rel. error" in judged.reason
 
 
@@ -220,13 +221,24 @@ def test_error_that_grows_with_T_fails_the_long_case(seed):
 def test_cuda_record_of_a_forward_class_needs_its_long_case():
     T = 4 * 32 + 13
     case = {"T": T, "seq_lens": [T, T], "unsupported": False, "problems": [], "errors": {"o": 0, "final_state": 0}}
-    assert assess(FWD.key, [case], on_cuda=False).passed
-    judged = assess(FWD.key, [case], on_cuda=True)
+    correlated = {**case, "regime": "correlated"}
+    assert assess(FWD.key, [case, correlated], on_cuda=False).passed
+    judged = assess(FWD.key, [case, correlated], on_cuda=True)
     assert not judged.passed and "no long case" in judged.reason
-    assert assess(FWD.key, [case, {**case, "T": LONG_T + 27, "seq_lens": [LONG_T + 27]}], on_cuda=True).passed
-    assert assess(
-        TRAIN.key, [{**case, "errors": dict.fromkeys(["o", "dq", "dk", "dv", "dg", "dbeta"], 0)}], on_cuda=True
-    )
+    long = {**case, "T": LONG_T + 27, "seq_lens": [LONG_T + 27]}
+    assert assess(FWD.key, [case, correlated, long], on_cuda=True).passed
+    training = {**correlated, "errors": dict.fromkeys(required_tensors(TRAIN), 0)}
+    assert assess(TRAIN.key, [training], on_cuda=True).passed  # a training class needs no long case
+
+
+def test_record_without_a_correlated_case_is_not_accepted():
+    """A record that holds only random cases (a forged one, or one a later format would not make): the
+    correlated case is where an inverse from the powers of ``A_kk`` fails, so it must be there."""
+    T = 4 * 32 + 13
+    case = {"T": T, "seq_lens": [T, T], "unsupported": False, "problems": [], "errors": {"o": 0, "final_state": 0}}
+    judged = assess(FWD.key, [case, {**case, "regime": "extreme"}], on_cuda=False)
+    assert not judged.passed and "no correlated case" in judged.reason
+    assert assess(FWD.key, [case, {**case, "regime": "correlated"}], on_cuda=False).passed
 
 
 # ------------------------------------------------------------------------------------ unchecked outputs
@@ -274,10 +286,10 @@ def _wrong_call() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _good_case(key: str) -> dict[str, Any]:
+def _good_case(key: str, regime: str = "realistic") -> dict[str, Any]:
     cc = CaseClass.from_key(key)
     T = 4 * cc.chunk_size + 13
-    return {"T": T, "seq_lens": [T], "unsupported": False, "problems": [], "errors": {"o": 1e-5}}
+    return {"regime": regime, "T": T, "seq_lens": [T], "unsupported": False, "problems": [], "errors": {"o": 1e-5}}
 
 
 @pytest.mark.parametrize(
@@ -330,7 +342,8 @@ def test_honest_record_of_the_same_shape_is_accepted(seed):
     call = _wrong_call()
     key = kda.KDASpec.from_call(**call).case_class.key
     entry = {"case_class": key, "source": "verify", "quick": False, "device_type": "cpu", "format": RECORD_FORMAT}
-    _plant(honest, {"fingerprint": fingerprint(honest, "cpu"), "records": {key: {**entry, "cases": [_good_case(key)]}}})
+    cases = [_good_case(key), _good_case(key, "correlated")]
+    _plant(honest, {"fingerprint": fingerprint(honest, "cpu"), "records": {key: {**entry, "cases": cases}}})
     with kda.trace_routes() as routes:
         kda.chunk_kda(**call, backend="tampering")
     assert [r.backend for r in routes] == ["tampering"] and honest.calls == 1  # no verification ran: trusted

@@ -109,8 +109,10 @@ def measured_case(key: str, worst_ratio: float, seed: int = 7) -> dict[str, Any]
 
 
 def record(key: str, worst_ratio: float = 0.25, *, source: Any = "verify", seed: int = 7) -> Record:
-    """A record of one measured case; it passes exactly when `worst_ratio` <= 1."""
-    return Record(key, source, True, "cpu", cases=[measured_case(key, worst_ratio, seed)])
+    """A quick record (its realistic and correlated case, measured alike); it passes exactly when
+    `worst_ratio` <= 1."""
+    realistic = {**measured_case(key, worst_ratio, seed), "regime": "realistic"}
+    return Record(key, source, True, "cpu", cases=[realistic, {**realistic, "regime": "correlated"}])
 
 
 # Distinct real case-class keys (forward, so that a CPU record needs no long case).
@@ -681,9 +683,7 @@ def test_record_round_trips_through_json_with_infinite_error(tmp_path):
 
 def test_record_from_json_ignores_unknown_fields():
     data = {**record(KEYS[0]).as_json(), "added_in_a_later_version": 1, "when": 42.0}
-    assert Record.from_json(data) == Record(
-        KEYS[0], "verify", True, "cpu", cases=[measured_case(KEYS[0], 0.25)], when=42.0
-    )
+    assert Record.from_json(data) == Record(KEYS[0], "verify", True, "cpu", cases=record(KEYS[0]).cases, when=42.0)
 
 
 def test_put_merges_with_records_already_on_disk(tmp_path):

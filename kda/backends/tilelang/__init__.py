@@ -5,7 +5,8 @@ Stages, one module each (the math is in each module's docstring), three kernels:
 1. `gate`   : the gate and beta activations, with the in-chunk cumulative sum of the gate: a TileLang
               macro expanded at the start of `intra`, so ``G`` stays in shared memory;
 2. `intra`  : per chunk, the causal scores by 16-row strips (``wgmma``), ``T = (I + A_kk)^-1`` by 16-row
-              blocks (substitution on the diagonal, ``wgmma`` on bf16 halves between them), and ``w``, ``u``, ``q_e``, ``k_g``;
+              blocks (substitution on the diagonal, ``wgmma`` on bf16 halves between them), and ``w``,
+              ``u``, ``q_e``, ``k_g``;
 3. `state`  : the serial pass over each sequence's chunks (``wgmma``, the next chunk's tiles loaded
               ahead by the bulk copy engine);
 4. `output` : ``o`` in parallel over chunks.

@@ -34,6 +34,11 @@ MODE_TITLES = {
     "train_pregated": "Training, forward + backward, pre-gated `g` (`train_pregated`)",
 }
 BACKEND_ORDER = ("baseline:flashkda", "triton", "flashkda", "fla", "torch", "auto")
+# A figure whose rounds (each a median of many runs) spread wider than this is marked: its time moved with
+# something other than the kernels, on the device machines the host's pace at launching a step's many small
+# kernels (docs/design.md, "The bench"), and its ratio holds for that machine's CPU, not for the GPU alone.
+UNSTEADY_SPREAD = 0.10
+UNSTEADY_MARK = "~"
 
 
 def _version_key(name: str) -> tuple[int, ...]:
@@ -61,6 +66,16 @@ def _ratio(row: dict[str, Any]) -> str:
     return f" ({row['fla_median_ms'] / row['median_ms']:.2f}x)"
 
 
+def spread(row: dict[str, Any] | None) -> float:
+    """``(slowest - fastest) / fastest`` of a row's rounds (0 with fewer than two)."""
+    rounds = [ms for ms in (row or {}).get("round_ms") or [] if ms]
+    return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else 0.0
+
+
+def _unsteady(row: dict[str, Any] | None) -> str:
+    return UNSTEADY_MARK if spread(row) > UNSTEADY_SPREAD else ""
+
+
 def _cell(row: dict[str, Any] | None) -> str:
     if row is None:
         return ""
@@ -71,7 +86,7 @@ def _cell(row: dict[str, Any] | None) -> str:
         if "needs" in reason or "supports" in reason:
             return "n/a"
         return row["status"]
-    text = _ms(row["median_ms"]) + _ratio(row)
+    text = _ms(row["median_ms"]) + _unsteady(row) + _ratio(row)
     if row["kind"] == "auto" and row.get("chose"):
         text += f" → {row['chose']}"
     return text
@@ -97,10 +112,21 @@ def mode_table(rows: list[dict[str, Any]], mode: str) -> list[str]:
         fla_ms = fla["median_ms"] if fla else next((r["fla_median_ms"] for r in cells.values()), None)
         dates = sorted({r.get("measured", "") for r in cells.values()} - {""})
         lines.append(
-            f"| {shape} | {_ms(fla_ms)} | "
+            f"| {shape} | {_ms(fla_ms)}{_unsteady(fla)} | "
             + " | ".join(_cell(cells.get(b)) for b in backends)
             + f" | {', '.join(dates)} |"
         )
+    unsteady = [r for r in mine if r["status"] == "ok" and _unsteady(r)]
+    if unsteady:
+        widest = max(unsteady, key=spread)
+        lines += [
+            "",
+            f"{UNSTEADY_MARK}: the run's {len(widest['round_ms'])} rounds spread by more than "
+            f"{100 * UNSTEADY_SPREAD:.0f}% (at most {100 * spread(widest):.0f}%: {widest['backend']} at "
+            f"{widest['shape']}, {_ms(min(widest['round_ms']))} to {_ms(max(widest['round_ms']))} ms). Such a time "
+            "moved with the host launching the step's kernels, so its ratio holds for that machine's CPU as much as "
+            'for its GPU (`docs/design.md`, "The bench").',
+        ]
     gap = auto_gap(mine)
     if gap is not None:
         worst, shape = gap

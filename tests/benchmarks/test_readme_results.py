@@ -244,3 +244,16 @@ def test_a_training_table_says_what_fla_ran_and_flags_runs_that_did_not_record_i
     assert "TileLang backward stage" in line
     assert readme_results.fla_path_line([inference], "fwd") == []  # one path forward: nothing to say
     assert readme_results.fla_path_line([inference], "train_safe") == []  # no run timed FLA in training
+
+
+def test_a_figure_whose_rounds_spread_is_marked_and_a_steady_one_is_not(tmp_path):
+    unsteady = {**_row("B1_T64_H1_D64", "baseline:fla", 1.2, 1.2), "round_ms": [1.0, 1.2, 1.45]}
+    steady = {**_row("B1_T64_H1_D64", "triton", 0.5, 1.2), "round_ms": [0.5, 0.501, 0.505]}
+    lines = readme_results.mode_table([unsteady, steady], "fwd")
+    row = next(line for line in lines if line.startswith("| B1_T64_H1_D64"))
+    assert row.startswith("| B1_T64_H1_D64 | 1.20~ | 0.500 (2.40x) |")
+    assert any(
+        line.startswith("~: the run's 3 rounds spread by more than 10% (at most 45%: baseline:fla") for line in lines
+    )
+    steady_only = readme_results.mode_table([{**unsteady, "round_ms": [1.19, 1.2, 1.21]}, steady], "fwd")
+    assert not any("~" in line for line in steady_only)

@@ -478,3 +478,33 @@ def test_each_shape_logs_where_its_time_went(seed, monkeypatch, caplog):
     assert "first timing 75 s (baseline:fla 70, torch 5)" in lines[0]
     rounds = lines[0].split("rounds 4 s (")[1].split(")")[0]
     assert sorted(rounds.split(", ")) == ["baseline:fla 2", "torch 2"], lines[0]
+
+
+def test_tune_times_the_kda_backend_of_each_baseline_named():
+    """The kda backend of a named baseline joins a --tune run when it is available and not named already."""
+    assert cli.with_kda_twins(["baseline:fla", "tilelang", "auto"], ["fla", "tilelang"]) == (
+        ["baseline:fla", "tilelang", "auto", "fla"],
+        ["fla"],
+    )
+    assert cli.with_kda_twins(["baseline:fla", "baseline:fla-tilelang", "fla"], ["fla"]) == (
+        ["baseline:fla", "baseline:fla-tilelang", "fla"],
+        [],
+    )
+    assert cli.with_kda_twins(["baseline:flashkda", "triton"], ["triton", "torch"]) == (
+        ["baseline:flashkda", "triton"],
+        [],
+    )
+
+
+def test_a_tune_run_times_the_twin_and_a_plain_run_does_not(seed, tmp_path, capsys, monkeypatch):
+    kda.register_backend(Quick)
+    monkeypatch.setattr(cli, "KDA_TWINS", {"baseline:fla": "quick"})  # FLA's own backend needs CUDA
+    args = ["--shape", "B1_T20_H1_D8", "--mode", "fwd", "--backend", "baseline:fla", "--backend", "torch"]
+    args += ["--cold-start", "none", "--rep-ms", "5", "--warmup-ms", "1", "--rounds", "1"]
+    assert cli.main([*args, "--tune", "--out", str(tmp_path / "a")]) == 0
+    assert "--tune: timing quick too" in capsys.readouterr().err
+    timed = {r["backend"]: r["status"] for r in json.loads((tmp_path / "a" / "results.json").read_text())["rows"]}
+    assert timed.get("quick") == "ok"
+    assert cli.main([*args, "--out", str(tmp_path / "b")]) == 0
+    rows = json.loads((tmp_path / "b" / "results.json").read_text())["rows"]
+    assert "quick" not in {r["backend"] for r in rows}

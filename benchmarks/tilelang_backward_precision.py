@@ -18,8 +18,10 @@ reference to ~1e-12 (``--check`` asserts it; the test in tests/benchmarks/ does 
 replay. Where a gate meets the log-decay floor (the extreme sigmoid, softplus and pre-gated draws) the
 replay follows the backends (a zero gradient there), so its unrounded error is the floor's, not zero.
 
-The draws are the verifier's own (`kda.verify.cases.make_inputs`): the realistic case (4C + 13 tokens, B = 2,
-two heads) and the extreme one (3C - 5 tokens), fresh random seeds each run.
+The draws are the verifier's own cases (`kda.verify.cases.cases_for`), fresh random seeds each run: by default
+the realistic case (4C + 13 tokens, B = 2, two heads) and the extreme one (3C - 5 tokens); `--regime` also
+takes the correlated case and the variant (one partial chunk of C - 3 tokens, V = K / 2), where a sequence's
+first ``h`` is its initial state and its rounding (``h_first``) is most of ``dA_log``'s error.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import random
 import statistics
 import sys
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the forward replay's helpers, beside this file
 
-from tilelang_precision import STRIP, chunk_rows, span_limit
+from tilelang_precision import STRIP, chunk_rows, halves, span_limit, unit_lower_inverse
 
 from kda.reference import L2NORM_EPS, LOG_DECAY_FLOOR, beta_transform, kda_reference, log_decay
 from kda.spec import CaseClass
-from kda.verify.cases import VerificationCase, make_inputs
+from kda.verify.cases import cases_for, make_inputs
 from kda.verify.check import GRADIENT_OF, relative_error
 from kda.verify.policy import tolerance
 
@@ -55,7 +58,7 @@ ROUNDINGS: dict[str, str] = {
     "rows": "the l2-normalized q, k rows in the inputs' dtype as the forward's score operands",
     "saved_rows": "the l2-normalized rows in the inputs' dtype everywhere else: q_e, k_g, beta k e^G, the backward",
     "scores": "the forward's score products on operands in the inputs' dtype, by strips (A_qk, M = A_kk / beta)",
-    "inverse": "T by the doubling Neumann series on bf16 halves (hi + lo) of its fp32 operands",
+    "inverse": "T as `intra` computes it: 16-row diagonal blocks by fp32 substitution, joined by products on bf16 halves",
     "T_wu": "T rounded to the inputs' dtype as the operand of w and u",
     "XY": "beta k exp(G) and beta v rounded to the inputs' dtype as the operands of w and u",
     "w": "w stored in the inputs' dtype",
@@ -65,7 +68,8 @@ ROUNDINGS: dict[str, str] = {
     "dG_reads": "q_e and k_g as chunk_backward's dG terms read them, in the inputs' dtype",
     "A_qk": "A_qk stored in the inputs' dtype",
     "state_op": "the state rounded each chunk as the forward's operand (v_new = u - w h, o = q_e h + ...)",
-    "h": "h (the state entering each chunk) saved in the inputs' dtype for the backward",
+    "h": "h (the state entering each chunk after a sequence's first) saved in the inputs' dtype for the backward",
+    "h_first": "a sequence's first h (its initial state) saved in the inputs' dtype for the backward",
     "v_new": "v_new stored in the inputs' dtype (the forward's state update and the backward read it)",
     "bwd_split": "the backward's fp32 product operands as two halves (hi + lo: 16 bits with bf16, 22 fp16)",
     "outputs": "dq, dk, dv, dbeta returned in the inputs' dtype, dg in g's dtype (dA_log is not rounded)",
@@ -159,15 +163,12 @@ def strip_scores(
     return A_qk, M
 
 
-def neumann_inverse(A_kk: torch.Tensor) -> torch.Tensor:
-    """``(I + A_kk)^-1`` as `intra` sums it: doubling, ``P`` and every product on bf16 halves."""
-    C = A_kk.shape[0]
-    P = split(-A_kk, torch.bfloat16)
-    Tm = P + torch.eye(C, dtype=F64)
-    for _ in range(C.bit_length() - 2):
-        P = split(split_product(P, P), torch.bfloat16)
-        Tm = Tm + split_product(P, Tm)
-    return Tm
+def block_inverse(A_kk: torch.Tensor) -> torch.Tensor:
+    """``(I + A_kk)^-1`` as `intra` computes it (version 8): ``N = -A_kk`` in fp32 held as two bf16 halves,
+    the diagonal blocks by substitution in fp32 and the block rows joined by products on halves (the forward
+    replay's `unit_lower_inverse`)."""
+    N = sum(halves(-A_kk.float()))
+    return unit_lower_inverse(N).to(F64)
 
 
 def score_gradients(
@@ -330,7 +331,7 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                     M = torch.where(strict, torch.einsum("ic,jc,ijc->ij", k_s, k_s, D), 0.0)
                 A_kk = bc[:, None] * M
                 if "inverse" in on:
-                    T_inv = neumann_inverse(A_kk)
+                    T_inv = block_inverse(A_kk)
                 else:
                     T_inv = torch.linalg.solve_triangular(eye + A_kk, eye, upper=False, unitriangular=True)
                 T_h = rnd(T_inv, dtype, "T_wu" in on)
@@ -339,7 +340,9 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                 u = rnd(T_h @ rnd(Y, dtype, "XY" in on), dtype, "u" in on)
                 q_e_f, k_g_f = scale * qc * G.exp(), kc * (G[-1] - G).exp()
                 q_e, k_g = rnd(q_e_f, dtype, "q_e" in on), rnd(k_g_f, dtype, "k_g" in on)
-                h_op, h_saved = rnd(S, dtype, "state_op" in on), rnd(S, dtype, "h" in on)
+                # a sequence's first h is its initial state (fp32, or zero), which the backward can read as given
+                h_rounded = "h" in on if start else "h_first" in on
+                h_op, h_saved = rnd(S, dtype, "state_op" in on), rnd(S, dtype, h_rounded)
                 v_new = rnd(u - w @ h_op, dtype, "v_new" in on)
                 S = S * G[-1].exp()[:, None] + k_g.T @ v_new
                 saved.append(
@@ -438,20 +441,21 @@ def errors_of(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> d
     return {name: relative_error(grads[name], ref[name]) for name in ref}
 
 
+REGIMES = ("realistic", "correlated", "extreme", "variant")  # the verifier's four cases of a class, in its order
+
+
 def draw(key: str, regime: str, seed: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The verifier's inputs for `key`'s realistic (4C + 13 tokens) or extreme (3C - 5) case, B = 2, H = 2."""
-    cc = CaseClass.from_key(key)
-    C, D = cc.chunk_size, cc.head_dim
-    T = 4 * C + 13 if regime == "realistic" else 3 * C - 5
-    HV = 4 if cc.gva else 2
-    case = VerificationCase(cc, regime, 2, 2, HV, D, D, (T, T), cc.dtype, seed=seed)  # type: ignore[arg-type]
-    return make_inputs(case, "cpu")
+    """The verifier's inputs for `key`'s case of that name (`kda.verify.cases.cases_for`, B = 2, H = 2): the
+    realistic and correlated ones (4C + 13 tokens), the extreme one (3C - 5) and the variant (C - 3 tokens, a
+    single partial chunk, V = K / 2, ``g`` in fp32, a per-column ``dt_bias``)."""
+    cases = cases_for(CaseClass.from_key(key), quick=False)
+    return make_inputs(replace(cases[REGIMES.index(regime)], seed=seed), "cpu")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=4, help="random seeds per class and regime")
-    parser.add_argument("--regime", nargs="+", default=["realistic", "extreme"])
+    parser.add_argument("--regime", nargs="+", default=["realistic", "extreme"], choices=REGIMES)
     parser.add_argument("--class", dest="classes", nargs="+", default=list(DEFAULT_CLASSES))
     parser.add_argument("--config", nargs="+", default=None, help="roundings to keep exact in turn (default all)")
     parser.add_argument("--seed", type=int, nargs="+", default=None, help="these seeds rather than random ones")

@@ -7,8 +7,9 @@
 #   verify       python -m kda.verify --all --with-bench-classes over VERIFY_JOBS processes -> verify.json
 #                (VERIFY_BACKENDS narrows it to those backends, VERIFY_CASES_FILE to the case-class keys in
 #                that file; VERIFY_NAME names the output folder, default verify; at most VERIFY_S seconds of
-#                the deadline when set); the workers' part-N.json and logs come back as <name>/workers.tgz,
-#                so a cut run keeps its classes
+#                the deadline when set; VERIFY_MISSING=1 verifies only what the records kept in state.tgz
+#                lack, so a call continues what a deadline cut); the workers' part-N.json and logs come back
+#                as <name>/workers.tgz, so a cut run keeps its classes
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune (BENCH_BACKENDS narrows
 #                the backends, e.g. "baseline:fla baseline:flashkda tilelang"; a shape takes minutes with all)
@@ -144,6 +145,7 @@ for target in "$@"; do
     which="--all"; [ -n "${VERIFY_BACKENDS:-}" ] && which=$(printf -- '--backend %s ' $VERIFY_BACKENDS)
     cases="--with-bench-classes"  # a case file names its classes, bench ones included
     [ -n "${VERIFY_CASES_FILE:-}" ] && cases=$(printf -- '--case %s ' $(cat "$VERIFY_CASES_FILE"))
+    [ -n "${VERIFY_MISSING:-}" ] && cases="$cases --missing"
     rm -rf "/tmp/$name-workers"
     # shellcheck disable=SC2086
     timeout "$limit" python3 -m kda.verify $which $cases --jobs "${VERIFY_JOBS:-12}" \

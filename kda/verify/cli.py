@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         help="append each class's result to PATH as one JSON line when it is known (how --jobs keeps what a "
         "worker that dies had verified)",
     )
+    parser.add_argument(
+        "--missing",
+        action="store_true",
+        help="verify only the (backend, class) pairs this machine holds no record of (a full one; with --quick, "
+        "any), and report the others as recorded: how a run that a deadline cut is continued",
+    )
     parser.add_argument("--list-cases", action="store_true", help="print the grid's case-class keys and exit")
     return parser
 
@@ -131,7 +137,10 @@ def _cell(entry: dict[str, Any]) -> str:
         return "[dim]not run[/dim]"
     ratio = entry["worst_ratio"]
     shown = "inf" if ratio is None else f"{ratio:.2g}"
-    return f"[green]pass {shown}[/green]" if entry["status"] == "pass" else f"[bold red]FAIL {shown}[/bold red]"
+    kept = " [dim](recorded)[/dim]" if entry.get("recorded") is not None else ""  # --missing: not run again
+    return (
+        f"[green]pass {shown}[/green]" if entry["status"] == "pass" else f"[bold red]FAIL {shown}[/bold red]"
+    ) + kept
 
 
 def _entry(name: str, r: ClassResult | RecurrentClassResult) -> dict[str, Any]:
@@ -197,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     unavailable = {b.name: registry.availability(b) for b in chosen if not registry.availability(b)}
     runnable = [b for b in chosen if b.name not in unavailable]
     store = default_store()
+    recorded = _recorded(store, runnable, classes, device, quick=args.quick) if args.missing else {}
     started = time.perf_counter()
     stopped: str | None = None
     _STOP.clear()
@@ -211,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             console=err,
             transient=False,
         ) as progress:
-            task = progress.add_task("verifying", total=len(runnable) * len(classes))
-            workers = _Workers(args, runnable, device, progress, task, store)
+            task = progress.add_task("verifying", total=len(runnable) * len(classes) - len(recorded))
+            workers = _Workers(args, runnable, device, progress, task, store, skip=set(recorded))
             try:
                 if args.jobs > 1 and runnable:
                     workers.spread(classes)
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
-    entries = workers.entries
+    entries = [*recorded.values(), *workers.entries]
     elapsed = time.perf_counter() - started
     by_key = {(e["backend"], e["case_class"]): e for e in entries}
     table = Table(
@@ -272,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = store.root / "verification"
     where = f"records NOT saved ({folder} cannot be written)" if store.unsaved() else f"records in {folder}"
     cut = f", {not_run} not run (stopped by {stopped})" if stopped is not None else ""
+    kept = f", {len(recorded)} of them as recorded before this run" if recorded else ""
     out.print(
-        f"{checked - len(failures)} passed, {len(failures)} failed{cut} "
+        f"{checked - len(failures)} passed, {len(failures)} failed{cut}{kept} "
         f"({len(runnable)} backend(s), {len(classes)} case classes, {elapsed:.1f}s); {where}"
     )
     if named_unavailable:
@@ -305,12 +316,35 @@ def _json_default(value: Any) -> Any:
 Pair = tuple[str, str]  # (backend name, case-class key), in the order they are verified
 
 
+def _recorded(store, runnable, classes, device: torch.device, *, quick: bool) -> dict[Pair, dict[str, Any]]:
+    """The pairs `store` already holds a record of on this machine, as report entries judged under the
+    tolerances in force (`Record.assessment`): a full record, or any with `quick` (a full one covers a
+    quick check). A declined class leaves no record, so it is asked again (it costs a `supports` call)."""
+    found: dict[Pair, dict[str, Any]] = {}
+    for backend in runnable:
+        for cc in classes:
+            record = store.get(backend, device, cc.key)
+            if record is None or (record.quick and not quick):
+                continue
+            verdict = record.assessment()
+            found[(backend.name, cc.key)] = {
+                "backend": backend.name,
+                "case_class": cc.key,
+                "status": "pass" if verdict.passed else "fail",
+                "worst_ratio": None if math.isinf(verdict.worst_ratio) else verdict.worst_ratio,
+                "reason": verdict.reason,
+                "cases": record.cases,
+                "recorded": record.when,
+            }
+    return found
+
+
 def _run_here(args, runnable, classes, device, progress, task, store, err, workers) -> None:
     """Verify every (backend, class) pair in this process, one after another. On CUDA the context is
     checked after each class: a kernel that faults (an illegal address) leaves it unusable, and every later
     class would fail for that reason alone. The class it was lost in fails, with a record saying so, and
     the pairs not yet verified go to fresh worker processes (`_Workers.run`)."""
-    pairs = [(backend, cc) for backend in runnable for cc in classes]
+    pairs = [(backend, cc) for backend in runnable for cc in classes if (backend.name, cc.key) not in workers.skip]
     entries = workers.entries  # as each class ends: a stopped run reports what it had
     for done, (backend, cc) in enumerate(pairs, start=1):
         progress.update(task, description=f"{backend.name} {cc.key}")
@@ -366,8 +400,9 @@ class _Workers:
     Records go to the shared store, whose writes are locked and atomic. `entries` fills as results come
     in; `stop` (a stopped run) ends the live workers and adds what they had written."""
 
-    def __init__(self, args, runnable, device: torch.device, progress, task, store) -> None:
+    def __init__(self, args, runnable, device: torch.device, progress, task, store, skip: set[Pair]) -> None:
         self.args, self.device, self.progress, self.task, self.store = args, device, progress, task, store
+        self.skip = skip  # pairs already recorded (--missing): neither run nor handed to a worker
         self.backends = {b.name: b for b in runnable}
         self.gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         self._scratch: Path | None = args.work_dir
@@ -385,7 +420,10 @@ class _Workers:
         """The classes spread over `--jobs` workers at once, round robin (each verifies every backend on its
         share, on one GPU), then each worker's leftovers, if it died, in fresh ones."""
         jobs = self.args.jobs
-        shares = [(i, [(b, cc.key) for b in self.backends for cc in classes[i::jobs]]) for i in range(jobs)]
+        shares = [
+            (i, [(b, cc.key) for b in self.backends for cc in classes[i::jobs] if (b, cc.key) not in self.skip])
+            for i in range(jobs)
+        ]
         children = [(i, pairs, self.launch(i, pairs, f"part-{i}")) for i, pairs in shares if pairs]
         for i, pairs, child in children:
             found, left = self.collect(child, pairs, f"part-{i}")
@@ -435,6 +473,7 @@ class _Workers:
         command += [f"--backend={b}" for b in dict.fromkeys(b for b, _ in pairs)]
         command += [f"--case={key}" for key in dict.fromkeys(key for _, key in pairs)]
         command += ["--quick"] if args.quick else []
+        command += ["--missing"] if args.missing else []  # its share's recorded pairs are the parent's skip
         env = os.environ.copy()
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)

@@ -640,3 +640,62 @@ def test_cli_bad_settings_are_usage_errors_before_any_work(variable, value, caps
     err = capsys.readouterr().err
     check_usage_error(code, err, "python -m kda.verify")
     assert variable in err
+
+
+def test_missing_verifies_only_what_this_machine_has_no_record_of(tmp_path, capsys):
+    """--missing continues a cut run: a recorded pair is reported from its record and not run again (the
+    progress file, a line per class verified, proves which ran); a quick record does not stand in for a
+    full verification."""
+    base = ["--backend", "torch", "--device", "cpu", "--quick"]
+    assert cli.main([*base, "--case", CHEAP]) == 0
+    capsys.readouterr()
+    progress, report = tmp_path / "progress.jsonl", tmp_path / "report.json"
+    args = [*base, "--missing", "--case", CHEAP, "--case", CHEAP_2, "--progress", str(progress), "--json", str(report)]
+    assert cli.main(args) == 0
+    assert "2 passed, 0 failed, 1 of them as recorded before this run" in capsys.readouterr().out
+    assert [json.loads(line)["case_class"] for line in progress.read_text().splitlines()] == [CHEAP_2]
+    results = {r["case_class"]: r for r in read_json(report)["results"]}
+    assert set(results) == {CHEAP, CHEAP_2}
+    assert results[CHEAP]["status"] == "pass" and results[CHEAP]["recorded"] is not None
+    assert [c["regime"] for c in results[CHEAP]["cases"]] == ["realistic", "correlated"]
+    assert "recorded" not in results[CHEAP_2]
+
+    progress.unlink()
+    assert cli.main(args) == 0  # everything recorded now: nothing runs
+    assert "2 passed, 0 failed, 2 of them as recorded" in capsys.readouterr().out and not progress.exists()
+
+
+def test_missing_reports_a_recorded_failure_as_a_failure(tmp_path, capsys):
+    kda.register_backend(WrongBackend)
+    base = ["--backend", "wrong", "--device", "cpu", "--quick", "--case", CHEAP]
+    assert cli.main(base) == 1
+    capsys.readouterr()
+    progress = tmp_path / "progress.jsonl"
+    assert cli.main([*base, "--missing", "--progress", str(progress)]) == 1
+    out = capsys.readouterr().out
+    assert "0 passed, 1 failed, 1 of them as recorded" in out and "FAIL wrong" in out and not progress.exists()
+
+
+def test_missing_runs_a_full_check_where_only_a_quick_record_is_kept(tmp_path, capsys):
+    assert cli.main(["--backend", "torch", "--device", "cpu", "--quick", "--case", CHEAP]) == 0
+    capsys.readouterr()
+    report = tmp_path / "report.json"
+    assert cli.main(["--backend", "torch", "--device", "cpu", "--missing", "--case", CHEAP, "--json", str(report)]) == 0
+    (result,) = read_json(report)["results"]
+    assert "recorded" not in result and len(result["cases"]) == 4
+
+
+def test_missing_with_jobs_hands_the_workers_only_what_is_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    )
+    assert cli.main(["--backend", "torch", "--device", "cpu", "--quick", "--case", CHEAP]) == 0
+    capsys.readouterr()
+    work = tmp_path / "work"
+    args = ["--backend", "torch", "--device", "cpu", "--quick", "--missing", "--case", CHEAP, "--case", CHEAP_2]
+    assert cli.main([*args, "--jobs", "2", "--work-dir", str(work), "--json", str(tmp_path / "r.json")]) == 0
+    assert "2 passed, 0 failed, 1 of them as recorded" in capsys.readouterr().out
+    ran = [
+        json.loads(line)["case_class"] for part in work.glob("part-*.jsonl") for line in part.read_text().splitlines()
+    ]
+    assert ran == [CHEAP_2]

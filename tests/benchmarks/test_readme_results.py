@@ -257,3 +257,12 @@ def test_a_figure_whose_rounds_spread_is_marked_and_a_steady_one_is_not(tmp_path
     )
     steady_only = readme_results.mode_table([{**unsteady, "round_ms": [1.19, 1.2, 1.21]}, steady], "fwd")
     assert not any("~" in line for line in steady_only)
+
+
+def test_a_backend_the_run_never_reached_is_not_called_a_quick_verification():
+    report = {"results": [{"backend": "b", "case_class": "k", "status": "not run", "worst_ratio": None, "cases": []}]}
+    (line,) = readme_results.verify_lines(report)
+    assert "1 not run" in line and "quick" not in line
+    reached = {"backend": "b", "case_class": "j", "status": "pass", "worst_ratio": 0.5, "cases": [{}]}
+    (line,) = readme_results.verify_lines({"results": [*report["results"], reached]})
+    assert "quick verification" in line

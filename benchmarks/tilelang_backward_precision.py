@@ -118,13 +118,6 @@ def split(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return hi + (x - hi).to(dtype).to(F64)
 
 
-def split_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` on bf16 halves, the three terms above 2^-16 (`intra`'s inverse)."""
-    a_hi, b_hi = a.to(torch.bfloat16).to(F64), b.to(torch.bfloat16).to(F64)
-    a_lo, b_lo = (a - a_hi).to(torch.bfloat16).to(F64), (b - b_hi).to(torch.bfloat16).to(F64)
-    return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi
-
-
 def decays(G: torch.Tensor, strict: bool) -> torch.Tensor:
     """``exp(G_i - G_j)`` ``[C, C, K]`` on the causal triangle (``j < i`` when `strict`), 0 elsewhere."""
     C = G.shape[0]

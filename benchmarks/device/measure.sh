@@ -8,7 +8,7 @@
 #                (VERIFY_BACKENDS narrows it to those backends, VERIFY_CASES_FILE to the case-class keys in
 #                that file; VERIFY_NAME names the output folder, default verify; at most VERIFY_S seconds of
 #                the deadline when set; VERIFY_MISSING=1 verifies only what the records kept in state.tgz
-#                lack, so a call continues what a deadline cut); the workers' part-N.json and logs come back
+#                lack, so a later run continues what a deadline cut); the workers' part-N.json and logs come back
 #                as <name>/workers.tgz, so a cut run keeps its classes
 #   bench        the inference bench (MODES, default fwd) at SHAPES (default: the six dense shapes), FLA and
 #                FlashKDA called directly beside kda's backends and auto, with --tune (BENCH_BACKENDS narrows

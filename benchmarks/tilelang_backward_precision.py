@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the forward replay's helpers, beside this file
 
-from tilelang_precision import STRIP, chunk_rows, halves, span_limit, unit_lower_inverse
+from tilelang_precision import STRIP, chunk_rows, span_limit, unit_lower_inverse
 
 from kda.reference import L2NORM_EPS, LOG_DECAY_FLOOR, beta_transform, kda_reference, log_decay
 from kda.spec import CaseClass
@@ -157,11 +157,10 @@ def strip_scores(
 
 
 def block_inverse(A_kk: torch.Tensor) -> torch.Tensor:
-    """``(I + A_kk)^-1`` as `intra` computes it (version 8): ``N = -A_kk`` in fp32 held as two bf16 halves,
-    the diagonal blocks by substitution in fp32 and the block rows joined by products on halves (the forward
-    replay's `unit_lower_inverse`)."""
-    N = sum(halves(-A_kk.float()))
-    return unit_lower_inverse(N).to(F64)
+    """``(I + A_kk)^-1`` as `intra` computes it: ``N = -A_kk`` in fp32, the diagonal blocks by substitution
+    in fp32 and the block rows joined by products on bf16 halves (the forward replay's
+    `unit_lower_inverse`)."""
+    return unit_lower_inverse(-A_kk.float()).to(F64)
 
 
 def score_gradients(
@@ -474,8 +473,9 @@ def main() -> int:
                 line = ""
                 if "dA_log" in per_draw[0]:
                     dA = [e["dA_log"] for e in per_draw]
+                    limit = tolerance("dA_log", dtype)
                     line = f"dA_log median {statistics.median(dA):.2e} worst {max(dA):.2e} "
-                    line += f"(tol {tolerance('dA_log', dtype):.0e})  "
+                    line += f"(tol {limit:.0e}, past it {sum(error > limit for error in dA)} of {len(dA)})  "
                 others = {
                     name: max(e[name] for e in per_draw) / tolerance(name, dtype)
                     for name in per_draw[0]

@@ -47,8 +47,8 @@ def split_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def unit_lower_inverse(N: torch.Tensor) -> torch.Tensor:
-    """``(I - N)^-1`` for the strictly lower ``N = -A_kk`` (fp32, as its halves hold it), as `intra` computes
-    it: each ``[16, 16]`` diagonal block by substitution in fp32, then block row by block row,
+    """``(I - N)^-1`` for the strictly lower ``N = -A_kk`` (fp32), as `intra` computes it: each ``[16, 16]``
+    diagonal block by substitution in fp32 on ``N``'s fp32 values, then block row by block row,
     ``T[I] += X_I (N_o T)[I]``, each product on the halves of its operands, accumulated in fp32."""
     C = N.shape[0]
     acc_T = torch.zeros(C, C)
@@ -148,7 +148,7 @@ def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
                                 kd = kc[col] * (G[row] - G[col]).exp()
                                 A_qk[row, col] = scale * (qc[row] * kd).sum()
                                 P[row, col] = -bc[row] * (kc[row] * kd).sum() if col < row else 0.0
-                Tm = unit_lower_inverse(sum(halves(P)))  # N is stored as its two halves
+                Tm = unit_lower_inverse(P)  # the products read N's halves, the diagonal blocks its fp32
                 T_h = rounded(Tm, dtype)
                 w = rounded(T_h @ rounded(bc[:, None] * kc * G.exp(), dtype), dtype)
                 u = rounded(T_h @ rounded(bc[:, None] * vc, dtype), dtype)

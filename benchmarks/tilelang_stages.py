@@ -16,8 +16,11 @@ move at least (its inputs read once, its outputs written once) over that time, a
 ``score_backward``, ...) built by the builder of the Python file PATH, a changed copy of that kernel's module
 (its ``build`` function; ``build_gate_tail`` or ``build_qk_tail`` for the tails), in the same process: each
 step runs the call once as shipped and once per variant, rotated, with every other kernel as shipped, so a
-change is measured against the kernel it would replace on the same GPU, clocks and inputs. Nothing here
-verifies a variant: its numbers are checked by `kda.verify` once it replaces the shipped file.
+change is measured against the kernel it would replace on the same GPU, clocks and inputs. Each variant's
+first call is also compared with the shipped call's on the same inputs: per output (``o`` and the final
+state, or each gradient), ``max |variant - shipped| / max |shipped|``, and whether a NaN appeared. That is
+a smoke test (a broken variant shows near 1 or NaN, a rounding change near the outputs' precision), not
+verification: a variant's numbers are checked by `kda.verify` once it replaces the shipped file.
 """
 
 from __future__ import annotations
@@ -124,6 +127,35 @@ def _nbytes(args: tuple) -> int:
     return sum(x.numel() * x.element_size() for x in args if isinstance(x, torch.Tensor))
 
 
+def _tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [tensor for item in result for tensor in _tensors(item)]
+    return []
+
+
+def difference(result: Any, shipped: Any, names: list[str]) -> str:
+    """``name rel`` for each output: ``max |result - shipped| / max |shipped|`` ("NaN" where either has one
+    the other has not, "missing" where the variant returned fewer outputs)."""
+    ours, theirs = _tensors(result), _tensors(shipped)
+    parts = []
+    for index, reference in enumerate(theirs):
+        name = names[index] if index < len(names) else str(index)
+        if index >= len(ours):
+            parts.append(f"{name} missing")
+            continue
+        x, y = ours[index].double(), reference.double()
+        if bool(torch.isnan(x).ne(torch.isnan(y)).any()):
+            parts.append(f"{name} NaN")
+            continue
+        finite = torch.isfinite(y)
+        scale = y[finite].abs().max().item() if bool(finite.any()) else 0.0
+        gap = (x - y)[finite].abs().max().item() if bool(finite.any()) else 0.0
+        parts.append(f"{name} {gap / scale if scale else gap:.2e}")
+    return ", ".join(parts)
+
+
 def _report(times: dict[str, list[float]], moved: dict[str, int]) -> None:
     medians = {name: statistics.median(ms) for name, ms in times.items()}
     total = sum(medians.values())
@@ -172,12 +204,18 @@ def main() -> int:
             if run is None:
                 print(f"{shape_name} {mode_name}: not run ({why})")
                 continue
+            firsts: dict[str, Any] = {}
             for label, variant in runs.items():  # first calls (compilation) are not timed
                 use(variant)
                 began = time.perf_counter()
-                run()
+                firsts[label] = run()
                 torch.cuda.synchronize()
                 print(f"\n{shape_name} {mode_name} {label}: first call {time.perf_counter() - began:.1f} s", flush=True)
+            names = list(inputs.leaves) if MODES[mode_name].training else ["o", "final_state"]
+            for variant in variants:
+                compared = difference(firsts[variant.name], firsts[SHIPPED], names)
+                print(f"  {variant.name} against {SHIPPED}: {compared}", flush=True)
+            firsts.clear()
             times: dict[str, dict[str, list[float]]] = {label: defaultdict(list) for label in runs}
             moved: dict[str, int] = {}
             for step in range(args.steps):

@@ -102,3 +102,15 @@ def test_a_bad_variant_ends_the_command_with_its_message_before_any_gpu_work(mon
     monkeypatch.setattr(stages, "make_inputs", lambda *a, **k: pytest.fail("inputs made for a bad command line"))
     assert stages.main() == 2
     assert "expected KERNEL:NAME=PATH" in capsys.readouterr().err
+
+
+def test_a_variant_is_compared_with_the_shipped_call_output_by_output():
+    import torch
+
+    shipped = (torch.tensor([1.0, -4.0]), torch.tensor([[2.0, 0.5]]))
+    assert stages.difference((torch.tensor([1.0, -3.0]), shipped[1].clone()), shipped, ["o", "final_state"]) == (
+        "o 2.50e-01, final_state 0.00e+00"
+    )
+    assert "o NaN" in stages.difference((torch.tensor([float("nan"), -4.0]), shipped[1]), shipped, ["o", "s"])
+    assert "final_state missing" in stages.difference(shipped[:1], shipped, ["o", "final_state"])
+    assert stages.difference([shipped[0] * 2], [shipped[0]], []) == "0 1.00e+00"  # unnamed outputs by index

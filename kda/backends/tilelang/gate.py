@@ -35,6 +35,20 @@ from kda.reference import LOG_DECAY_FLOOR
 
 PREGATED, SOFTPLUS, SIGMOID, SAFE = 0, 1, 2, 3  # values of `gate`
 ROWS = 16  # rows per summation block
+LOG2_E = 1.4426950408889634
+
+
+def exp(x):
+    """``e^x`` in fp32 as ``2^(x log2 e)``: one ``ex2.approx`` of the special-function unit, as Triton's
+    ``tl.exp`` computes it (relative error about ``|x| 2^-23``; CUDA's accurate ``expf`` took ten
+    instructions more, and the fast ``__expf`` intrinsic cost the loops their vector width)."""
+    return T.exp2(x * LOG2_E)
+
+
+def sigmoid(x):
+    """``1 / (1 + e^-x)`` with `exp` (0 and 1 at the extremes, NaN stays NaN). The division stays IEEE:
+    TileLang's approximate reciprocal is scalar-only, and it cost the gate's loads their vector width."""
+    return 1.0 / (1.0 + exp(-x))
 
 
 def log_decay(x, bias, A, gate: int, lower_bound: float):
@@ -46,8 +60,8 @@ def log_decay(x, bias, A, gate: int, lower_bound: float):
     if bias is not None:
         x = x + bias
     if gate == SOFTPLUS:  # log(1 + e^x) without overflow (torch's threshold, 20)
-        return -A * T.if_then_else(x > 20.0, x, T.log1p(T.exp(T.min(x, 20.0))))
-    return lower_bound * T.sigmoid(A * x)
+        return -A * T.if_then_else(x > 20.0, x, T.log1p(exp(T.min(x, 20.0))))
+    return lower_bound * sigmoid(A * x)
 
 
 def activation(x, bias, A, gate: int, lower_bound: float):
@@ -60,28 +74,44 @@ def activation(x, bias, A, gate: int, lower_bound: float):
     return x
 
 
-def scan(C: int, K: int, threads: int, beta_sigmoid: bool, beta_scale: float):
+def scan(C: int, K: int, threads: int, beta_sigmoid: bool, beta_scale: float, limit: float | None = None):
     """The macro that turns ``G_s [C, K]`` (fp32, shared; ``a_t`` on entry, `activation`) into its in-chunk
-    cumulative sum, and fills ``b_s [C]`` (fp32, shared) for chunk ``c`` of head ``hv``."""
+    cumulative sum, and fills ``b_s [C]`` (fp32, shared) for chunk ``c`` of head ``hv``.
+
+    With a `limit` it also flags each block of ROWS rows whose span, ``max |G_i - G_first|`` over its rows
+    and the key columns, passes it: ``wide [C / ROWS]`` (int32, shared, zeroed by the caller before the
+    block's first barrier) gets a 1 there. `intra`'s strips are these blocks, and a flagged strip takes its
+    diagonal block exactly. The column's thread sees each ``G`` as it writes it, so the span costs a
+    subtraction and a max a row instead of a reduction over the block's threads with its barriers."""
     f32 = "float32"
 
     @T.macro
-    def scan_and_beta(beta, hv, start, end, G_s, b_s):
+    def scan_and_beta(beta, hv, start, end, G_s, b_s, wide):
         # the sum down each key column, in place in shared memory, ROWS rows a block. Each column belongs to
         # exactly one thread, named by its index: a parallel loop over K < threads gave a column to two
         # threads, and a column's read-modify-write then raced with itself
         thread = T.get_thread_binding()
         carry = T.alloc_local((1,), f32)  # G at the row before the block
         block = T.alloc_local((1,), f32)  # the running sum inside the block
+        first = T.alloc_local((1,), f32)  # G at the block's first row
+        gap = T.alloc_local((1,), f32)  # the block's largest |G_i - G_first| in this column so far
         for turn in T.serial((K + threads - 1) // threads):
             col = thread + turn * threads
             if col < K:
                 carry[0] = 0.0
                 for b in T.serial(C // ROWS):
                     block[0] = 0.0
+                    if limit is not None:
+                        first[0] = carry[0] + G_s[b * ROWS, col]
+                        gap[0] = 0.0
                     for r in T.unroll(ROWS):
                         block[0] += G_s[b * ROWS + r, col]
                         G_s[b * ROWS + r, col] = carry[0] + block[0]
+                        if limit is not None:
+                            gap[0] = T.max(gap[0], T.abs(carry[0] + block[0] - first[0]))
+                    if limit is not None:  # noqa: SIM102 (a compile-time switch around a run-time test)
+                        if gap[0] > limit:  # every writer writes the same 1: their order does not matter
+                            wide[b] = 1
                     carry[0] += block[0]
         for i in T.Parallel(C):
             ok = start + i < end

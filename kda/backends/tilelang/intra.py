@@ -24,12 +24,16 @@ every kept entry ``i >= j`` is <= 1; the entries above the diagonal are discarde
 The safe gate (15 steps of at most 5) always qualifies in bf16 (limit 80, e^80 = 5.5e34 < bf16's 3.4e38);
 fp16 (largest 65504) allows a span of 10 for l2-normalized keys (``|k| <= 1``) and none for raw keys, whose
 size nothing bounds. A strip past its limit (an unbounded gate at its extremes)
-computes its diagonal block exactly, element by element, ``exp`` of each ``G_i - G_j <= 0`` in fp32. The
-branch is taken per strip at run time.
+computes its diagonal block exactly, element by element, ``exp`` of each ``G_i - G_j <= 0`` in fp32. Which
+strips do is fixed at compile time where the gate bounds the span (`diagonal_path`) and otherwise read per
+strip from the flags `gate.scan` sets as it sums.
+
+Every other exponential is `gate.exp`, ``2^(x log2 e)``: one ``ex2.approx``, as Triton's ``tl.exp``.
 
 The inverse, with ``N = -A_kk`` split into its ``[16, 16]`` diagonal blocks ``N_d`` and the rest ``N_o``::
 
-    X = (I - N_d)^-1           each diagonal block by substitution, in fp32: a thread a column of a block
+    X = (I - N_d)^-1           each diagonal block by substitution, in fp32: a thread a column of a block,
+                               reading N_d's fp32 values by columns (x_r += N[r, s] x_s once x_s is final)
     T = X;  for I = 1, 2, ...:   T[I] += X[I] (N_o T)[I]              block forward substitution
 
 Each step is two ``[C, C]`` products: ``N_o T``, then ``T Z`` for ``Z`` that product's block row ``I``
@@ -63,10 +67,11 @@ products), and ``u`` leaves in fp32. Without ``save`` those parameters are one-e
 the kernel's body is unchanged.
 
 Shared memory and registers decide how many chunks an SM works on at once: at C = 64, K = V = 128 the
-kernel asks for 110592 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
+kernel asks for 113664 bytes and 128 registers a thread, so two blocks of 256 threads share an H200 SM
 (228 KB, 1 KB reserved a block; 65536 registers, all of them). With ``save`` the shared memory is the same
 (``beta k exp(G)``'s low half reuses the strips' column buffer, and TileLang's planner places ``beta v``'s in
-buffers no longer live) and nvcc gives 155 registers: one block an SM. For the shared memory, ``A_qk`` leaves a
+buffers no longer live) and the launch asks for two blocks an SM, which nvcc meets at 128 registers without
+spilling (left alone it took 135: one block an SM, 1.4 times slower). For the shared memory, ``A_qk`` leaves a
 strip at a time from a ``[16, C]`` buffer in the inputs' dtype, ``T`` goes straight from its registers into
 the operand of ``w`` and ``u``, and the planner places ``Z``'s halves in buffers dead by the inverse.
 
@@ -112,6 +117,21 @@ def span_limit(dtype: str, l2norm: bool) -> float:
     return 10.0 if l2norm else -1.0
 
 
+NEVER, ALWAYS, FLAGGED = "never", "always", "flagged"  # which strips take their diagonal block exactly
+
+
+def diagonal_path(limit: float, gate_mode: int, lower_bound: float) -> str:
+    """Which strips compute their diagonal block exactly, decided at compile time where the gate bounds the
+    span: the sigmoid and safe gates give ``|a_t| <= |lower_bound|``, so a strip's 15 steps span at most
+    ``15 |lower_bound|`` (75 for the safe gate's -5, under bf16's 80: `NEVER`); a negative limit (raw fp16
+    keys) is `ALWAYS`; otherwise `FLAGGED`, per strip at run time from the gate's sum (`gate.scan`)."""
+    if limit < 0:
+        return ALWAYS
+    if gate_mode in (gate.SIGMOID, gate.SAFE) and (STRIP - 1) * abs(lower_bound) <= limit:
+        return NEVER
+    return FLAGGED
+
+
 @functools.cache
 def build(
     C: int,
@@ -134,12 +154,13 @@ def build(
     f32 = "float32"
     group = HV // H
     limit = span_limit(dtype, l2norm)
+    exact = diagonal_path(limit, gate_mode, lower_bound)
     threads = threads_for(C)
     # M = C = 64 reaches wgmma's 64 rows: the products of a step are issued together and waited on once
     # (`T.wgmma_gemm` fails to compile where wgmma cannot serve; chunk 32 takes `T.gemm`'s mma.sync)
     wgmma = C == 64
     gemm = T.wgmma_gemm if wgmma else T.gemm
-    scan_and_beta = gate.scan(C, K, threads, beta_sigmoid, beta_scale)
+    scan_and_beta = gate.scan(C, K, threads, beta_sigmoid, beta_scale, limit if exact == FLAGGED else None)
     bias_shape = (HV, K) if has_dt_bias else (1,)
 
     # what training keeps for the backward, a placeholder at inference. Shapes, not a helper called in the
@@ -179,6 +200,8 @@ def build(
         rstd_k: T.Tensor((tokens, H) if norms else (1,), f32),
     ):
         with T.Kernel(NT, HV, threads=threads) as (c, hv):
+            if save and threads == 256:  # two blocks an SM: nvcc fits training in 128 registers, no spills
+                T.annotate_min_blocks_per_sm(2)
             # computed once: as an expression it was inlined into every index, as 64-bit divisions
             h = T.alloc_var("int32", init=hv // group)
             start = chunk_starts[c]
@@ -199,9 +222,8 @@ def build(
             T_lo = T.alloc_shared((C, C), SPLIT)
             acc_q = T.alloc_fragment((C, STRIP), f32)
             acc_k = T.alloc_fragment((C, STRIP), f32)
-            gaps = T.alloc_fragment((STRIP, K), f32)
-            row_span = T.alloc_fragment((STRIP,), f32)
-            span = T.alloc_fragment((1,), f32)
+            wide = T.alloc_shared((C // STRIP,), "int32")  # 1 where a strip's span passes the limit
+            N_d = T.alloc_shared((C // SUB, SUB, SUB), f32)  # N's diagonal blocks, [block, column, row]
             acc_cc = T.alloc_fragment((C, C), f32)
             acc_T = T.alloc_fragment((C, C), f32)
             v_f = T.alloc_fragment((C, V), dtype)  # v, held in registers from the first loads to `u`
@@ -219,7 +241,10 @@ def build(
                 k_s[i, j] = T.if_then_else(ok, k[start + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(C, V):
                 v_f[i, j] = T.if_then_else(start + i < end, v[start + i, hv, j], T.cast(0, dtype))
-            scan_and_beta(beta, hv, start, end, G_s, b_s)
+            if exact == FLAGGED:
+                for s in T.Parallel(C // STRIP):
+                    wide[s] = 0
+            scan_and_beta(beta, hv, start, end, G_s, b_s, wide)
             for j in T.Parallel(K):
                 G_last[c, hv, j] = G_s[C - 1, j]
             if save:
@@ -247,8 +272,8 @@ def build(
                     for i, j in T.Parallel(C, K):
                         q_hat = T.cast(q_s[i, j], f32) * n_q[i]
                         k_hat = T.cast(k_s[i, j], f32) * n_k[i]
-                        q_e[c, hv, i, j] = T.cast(scale * q_hat * T.exp(G_s[i, j]), dtype)
-                        k_g[c, hv, i, j] = T.cast(k_hat * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
+                        q_e[c, hv, i, j] = T.cast(scale * q_hat * gate.exp(G_s[i, j]), dtype)
+                        k_g[c, hv, i, j] = T.cast(k_hat * gate.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
                     for i in T.Parallel(C):
                         if h * group == hv and start + i < end:  # a q/k head's rows once, by its first value head
                             rstd_q[start + i, h] = n_q[i]
@@ -258,17 +283,13 @@ def build(
                     k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * n_k[i], dtype)
             if not exact_rows:
                 for i, j in T.Parallel(C, K):
-                    q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
-                    k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
+                    q_e[c, hv, i, j] = T.cast(scale * T.cast(q_s[i, j], f32) * gate.exp(G_s[i, j]), dtype)
+                    k_g[c, hv, i, j] = T.cast(T.cast(k_s[i, j], f32) * gate.exp(G_s[C - 1, j] - G_s[i, j]), dtype)
 
             for s in T.unroll(C // STRIP):
                 a = s * STRIP
                 for i, j in T.Parallel(STRIP, K):
-                    gaps[i, j] = T.abs(G_s[a + i, j] - G_s[a, j])
-                T.reduce_max(gaps, row_span, dim=1)
-                T.reduce_max(row_span, span, dim=0)
-                for i, j in T.Parallel(STRIP, K):
-                    decay = T.exp(G_s[a + i, j] - G_s[a, j])
+                    decay = gate.exp(G_s[a + i, j] - G_s[a, j])
                     q_r[i, j] = T.cast(T.cast(q_s[a + i, j], f32) * decay, dtype)
                     k_r[i, j] = T.cast(T.cast(k_s[a + i, j], f32) * decay, dtype)
                 # the columns up to the strip's last row. The rows of `cols` after it are not written: a
@@ -279,7 +300,7 @@ def build(
                 for block in T.serial(s + 1):
                     for i, j in T.Parallel(STRIP, K):
                         row = block * STRIP + i
-                        cols[row, j] = T.cast(T.cast(k_s[row, j], f32) * T.exp(G_s[a, j] - G_s[row, j]), dtype)
+                        cols[row, j] = T.cast(T.cast(k_s[row, j], f32) * gate.exp(G_s[a, j] - G_s[row, j]), dtype)
                 gemm(cols, q_r, acc_q, transpose_B=True, clear_accum=True)  # [C, 16]: column j, strip row i
                 gemm(cols, k_r, acc_k, transpose_B=True, clear_accum=True)
                 if wgmma:
@@ -288,13 +309,22 @@ def build(
                     row = a + i
                     Aqk_s[i, j] = T.cast(T.if_then_else(j <= row, scale * acc_q[j, i], 0.0), dtype)
                     n = T.if_then_else(j < row, -b_s[row] * acc_k[j, i], 0.0)
-                    P_hi[row, j] = high(n)
-                    P_lo[row, j] = low(n)
-                    if save:  # noqa: SIM102 (a compile-time switch around a run-time test)
+                    P_hi[row, j] = high(T.if_then_else(j < a, n, 0.0))  # N_o: the block is N_d's
+                    P_lo[row, j] = low(T.if_then_else(j < a, n, 0.0))
+                    if j >= a and j < a + STRIP:
+                        N_d[s, j - a, i] = n
+                    if save:
                         # the exact path below writes the diagonal block of a strip past its limit
-                        if j < a or j >= a + STRIP or span[0] <= limit:
+                        if exact == FLAGGED:
+                            if j < a or j >= a + STRIP or wide[s] == 0:
+                                M_out[c, hv, row, j] = T.if_then_else(j < row, acc_k[j, i], 0.0)
+                        elif exact == NEVER or j < a or j >= a + STRIP:
                             M_out[c, hv, row, j] = T.if_then_else(j < row, acc_k[j, i], 0.0)
-                if span[0] > limit:  # the diagonal block exactly
+                if exact == FLAGGED:
+                    by_product = wide[s] == 0
+                else:
+                    by_product = exact == NEVER
+                if not by_product:  # the diagonal block exactly
                     for i, jj in T.Parallel(STRIP, STRIP):
                         row = a + i
                         col = a + jj
@@ -309,9 +339,7 @@ def build(
                             s_q += T.cast(q_s[row, d], f32) * kd
                             s_k += T.cast(k_s[row, d], f32) * kd
                         Aqk_s[i, col] = T.cast(T.if_then_else(col <= row, scale * s_q, 0.0), dtype)
-                        n_exact = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
-                        P_hi[row, col] = high(n_exact)
-                        P_lo[row, col] = low(n_exact)
+                        N_d[s, jj, i] = T.if_then_else(col < row, -b_s[row] * s_k, 0.0)
                         if save:
                             M_out[c, hv, row, col] = T.if_then_else(col < row, s_k, 0.0)
 
@@ -324,25 +352,20 @@ def build(
                 T_lo[i, j] = T.cast(0, SPLIT)
             column = T.get_thread_binding()
             x_col = T.alloc_local((SUB,), f32)  # the thread's column of X in its block, rows in order
-            total = T.alloc_local((1,), f32)
             if column < C:
-                base = (column // SUB) * SUB
+                block_of = column // SUB
+                me = column % SUB
                 for r in T.unroll(SUB):
-                    x_col[r] = 0.0
+                    x_col[r] = T.if_then_else(r == me, 1.0, 0.0)
+                # x = e_me + N_d x by columns: once x_s is final every row below takes N[r, s] x_s, so each
+                # row's sum adds its terms in the order s = 0, 1, ... as a row-by-row substitution would
+                for s_ in T.unroll(SUB - 1):
+                    for r in T.unroll(SUB):
+                        if r > s_:
+                            x_col[r] += N_d[block_of, s_, r] * x_col[s_]
                 for r in T.unroll(SUB):
-                    total[0] = 0.0
-                    for s_ in T.unroll(SUB):
-                        if s_ < r:  # rows above the column's own are 0, so the sum may start at the block's top
-                            n_rs = T.cast(P_hi[base + r, base + s_], f32) + T.cast(P_lo[base + r, base + s_], f32)
-                            total[0] += n_rs * x_col[s_]
-                    x_col[r] = T.if_then_else(base + r == column, 1.0, total[0])
-                for r in T.unroll(SUB):
-                    T_hi[base + r, column] = high(x_col[r])
-                    T_lo[base + r, column] = low(x_col[r])
-            for i, j in T.Parallel(C, C):  # N's diagonal blocks are spent: P holds N_o from here
-                if i // SUB == j // SUB:
-                    P_hi[i, j] = T.cast(0, SPLIT)
-                    P_lo[i, j] = T.cast(0, SPLIT)
+                    T_hi[block_of * SUB + r, column] = high(x_col[r])
+                    T_lo[block_of * SUB + r, column] = low(x_col[r])
             for i, j in T.Parallel(C, C):
                 acc_T[i, j] = T.cast(T_hi[i, j], f32) + T.cast(T_lo[i, j], f32)
             # block forward substitution: block row I takes X_I (N_o T)_I, the rows above it final by then;
@@ -384,12 +407,12 @@ def build(
                         x = (
                             b_s[i]
                             * T.if_then_else(start + i < end, T.cast(k[start + i, h, j], f32) * n_k[i], 0.0)
-                            * T.exp(G_s[i, j])
+                            * gate.exp(G_s[i, j])
                         )
                         k_b[i, j] = T.cast(x, dtype)
                         cols[i, j] = T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
                     else:
-                        x = b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j])
+                        x = b_s[i] * T.cast(k_s[i, j], f32) * gate.exp(G_s[i, j])
                         k_b[i, j] = T.cast(x, dtype)
                         cols[i, j] = T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
                 for i, j in T.Parallel(C, V):
@@ -402,7 +425,7 @@ def build(
                 gemm(T_h, v_lo, acc_u)
             else:
                 for i, j in T.Parallel(C, K):
-                    k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * T.exp(G_s[i, j]), dtype)
+                    k_b[i, j] = T.cast(b_s[i] * T.cast(k_s[i, j], f32) * gate.exp(G_s[i, j]), dtype)
                 for i, j in T.Parallel(C, V):
                     v_b[i, j] = T.cast(b_s[i] * T.cast(v_f[i, j], f32), dtype)  # beta = 0 past the end
                 gemm(T_h, k_b, acc_w, clear_accum=True)

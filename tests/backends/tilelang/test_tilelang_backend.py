@@ -147,6 +147,56 @@ def test_intra_fits_two_blocks_an_sm_at_head_dim_128(lowered):
     assert 2 * (shared + 1024) <= 233472, shared
 
 
+def test_the_exponentials_take_the_special_function_unit(lowered):
+    """Every exponential of a row or a decay is ``2^(x log2 e)`` (``exp2f``: one ``ex2.approx``, as Triton's
+    ``tl.exp``); CUDA's accurate ``expf`` took about ten instructions more each, and 240 of them a thread
+    were a quarter of `intra`'s instructions. ``A = exp(A_log)`` (once a block) and beta's sigmoid (once a
+    row) stay ``expf``."""
+    source = kernels_of(lowered, (64, 128, "bfloat16"))["intra"][0]
+    accurate = [line for line in source.splitlines() if re.search(r"\bexpf\(", line)]
+    assert len(accurate) == 2 and "expf(A_log[" in accurate[0] and "b_i" in accurate[1], accurate
+    assert source.count("exp2f(") >= 6  # the gate's sigmoid, q_e, k_g, the strips' rows and columns, beta k e^G
+
+
+def test_the_strips_exact_path_is_chosen_where_the_gate_allows(lowered):
+    """The safe gate's steps are at most 5, so a strip's span (75) never passes bf16's 80: no span is
+    measured and no exact path is compiled. A gate without that bound (pre-gated) has each strip flagged by
+    the gate's sum, one write by any column past the limit, in place of a reduction and its barriers (seven
+    a strip); raw fp16 keys take every diagonal block exactly, unconditionally."""
+    from kda.backends.tilelang import gate
+    from kda.backends.tilelang.intra import ALWAYS, FLAGGED, NEVER, diagonal_path, span_limit
+
+    assert diagonal_path(span_limit("bfloat16", True), gate.SAFE, -5.0) == NEVER
+    assert diagonal_path(span_limit("bfloat16", False), gate.SIGMOID, -5.0) == NEVER
+    assert diagonal_path(span_limit("bfloat16", True), gate.SIGMOID, -6.0) == FLAGGED  # 90 > 80
+    for mode in (gate.PREGATED, gate.SOFTPLUS):
+        assert diagonal_path(span_limit("bfloat16", True), mode, 0.0) == FLAGGED
+    assert diagonal_path(span_limit("float16", True), gate.SAFE, -5.0) == FLAGGED  # 75 > 10
+    assert diagonal_path(span_limit("float16", False), gate.SAFE, -5.0) == ALWAYS
+
+    safe = kernels_of(lowered, (64, 128, "bfloat16"))["intra"][0]
+    flagged = kernels_of(lowered, "pregated")["intra"][0]
+    raw = kernels_of(lowered, "fp16-raw-keys")["intra"][0]
+    assert "wide" not in safe and "for (int d = 0; d < 128; ++d)" not in safe  # neither flags nor exact path
+    assert "wide)[b] = 1;" in flagged and "wide)[s] == 0" in flagged
+    assert "wide" not in raw and "for (int d = 0; d < 128; ++d)" in raw
+    for source in (safe, flagged, raw):  # the span is no longer a reduction over the block
+        assert "gaps" not in source and "row_span" not in source
+
+
+def test_the_diagonal_blocks_are_solved_from_fp32_values(lowered):
+    """The inverse's 16x16 diagonal blocks are solved from ``N``'s fp32 values, kept apart as ``N_d
+    [block, column, row]``, by columns: the loads a step needs are contiguous, and the bf16 halves are left
+    to the products (the substitution from the halves was 1300 instructions on 64 threads while the other
+    192 waited)."""
+    source = kernels_of(lowered, (64, 128, "bfloat16"))["intra"][0]
+    assert "((float*)N_d)[" in source
+    step = source.index("* x_col[")  # the substitution's update, in the block its 64 threads run
+    solve = source[source.rindex("if (((int)threadIdx.x) < 64)", 0, step) :]
+    solve = solve[: solve.index("__syncthreads")]
+    assert "P_hi" not in solve and "P_lo" not in solve and "N_d" in solve
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_call_variants_lower(lowered, variant):
     """The compile-time flags each give kernels that lower: every gate mode, the beta and l2norm options,
@@ -172,9 +222,10 @@ def test_training_adds_the_backward_and_the_forward_saves_for_it():
 
 def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
     """At chunk 64, K = V = 128 every training kernel lowers for sm_90a with tensor-core products, `intra`'s
-    stores for the backward and its fp32 halves cost no shared memory (its registers do: nvcc gives the
-    training kernel 145, one block an SM), and the saved tensors are written: G, beta, M, T and the rows'
-    reciprocal norms (the normalized rows are not stored)."""
+    stores for the backward and its fp32 halves cost no shared memory, its launch asks nvcc for two blocks
+    an SM (128 registers a thread; left alone nvcc took 135, and one block an SM made training's `intra`
+    1.4 times slower on an H100), and the saved tensors are written: G, beta, M, T and the rows' reciprocal
+    norms (the normalized rows are not stored)."""
     kernels = kernels_of(lowered, "training")
     assert set(kernels) == {"intra", "state", "output", *BACKWARD}
     for name, (_source, shared) in kernels.items():
@@ -183,6 +234,7 @@ def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
         assert "wgmma_ss" in products(kernels[name][0]), name
     saving, plain = kernels["intra"], kernels_of(lowered, (64, 128, "bfloat16"))["intra"]
     assert saving[1] == plain[1]
+    assert "__launch_bounds__(256, 2)" in saving[0] and "__launch_bounds__(256, 1)" in plain[0]
     for stored in ("G_out", "beta_out", "M_out", "T_out", "rstd_q", "rstd_k"):
         # named in both signatures (a placeholder at inference); used in the saving kernel's body alone
         uses = [len(re.findall(rf"\b{stored}\b", source)) for source in (saving[0], plain[0])]
@@ -276,8 +328,8 @@ def test_sequence_length_batch_and_heads_are_not_compiled_in():
 @pytest.mark.skipif(runtime.find_nvcc() is None, reason="no nvcc on this machine")
 def test_one_shape_class_compiles_with_nvcc(lowered, tmp_path):
     """The CUDA source TileLang lowers for sm_90a builds with this machine's nvcc (chunk 64, K = V = 128),
-    and `intra` leaves room for its second block an SM in the register file too (65536 registers an SM:
-    at 256 threads a block, at most 128 a thread)."""
+    and `intra`, for inference and for training, leaves room for its second block an SM in the register
+    file too (65536 registers an SM: at 256 threads a block, at most 128 a thread), without spilling."""
     import tilelang
 
     from kda.backends.tilelang.intra import threads_for
@@ -295,12 +347,16 @@ def test_one_shape_class_compiles_with_nvcc(lowered, tmp_path):
         )  # fmt: skip
 
     kernels = kernels_of(lowered, (64, 128, "bfloat16"))
+    kernels["training intra"] = kernels_of(lowered, "training")["intra"]
     with concurrent.futures.ThreadPoolExecutor(len(kernels)) as pool:  # nvcc: a process each
-        done = {name: pool.submit(build, name, source) for name, (source, _) in kernels.items()}
+        done = {name: pool.submit(build, name.replace(" ", "_"), source) for name, (source, _) in kernels.items()}
     for name, future in done.items():
         assert future.result().returncode == 0, (name, future.result().stderr[-2000:])
-    registers = re.findall(r"Used (\d+) registers", done["intra"].result().stderr)
-    assert registers and 2 * threads_for(64) * int(registers[-1]) <= 65536, registers
+    for name in ("intra", "training intra"):  # the training kernel holds 128 registers without spilling
+        report = done[name].result().stderr
+        registers = re.findall(r"Used (\d+) registers", report)
+        assert registers and 2 * threads_for(64) * int(registers[-1]) <= 65536, (name, registers)
+        assert re.findall(r"(\d+) bytes spill stores", report)[-1] == "0", (name, report[-600:])
 
 
 def test_the_backend_says_why_it_cannot_run_here(monkeypatch):

@@ -17,7 +17,7 @@ move at least (its inputs read once, its outputs written once) over that time, a
 (its ``build`` function; ``build_gate_tail`` or ``build_qk_tail`` for the tails), in the same process: each
 step runs the call once as shipped and once per variant, rotated, with every other kernel as shipped, so a
 change is measured against the kernel it would replace on the same GPU, clocks and inputs. Each variant's
-first call is also compared with the shipped call's on the same inputs: per output (``o`` and the final
+untimed first step is also compared with the shipped kernels' on the same inputs: per output (``o`` and the final
 state, or each gradient), ``max |variant - shipped| / max |shipped|``, and whether a NaN appeared. That is
 a smoke test (a broken variant shows near 1 or NaN, a rounding change near the outputs' precision), not
 verification: a variant's numbers are checked by `kda.verify` once it replaces the shipped file.

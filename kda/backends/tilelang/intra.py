@@ -90,6 +90,9 @@ from kda.reference import L2NORM_EPS
 STRIP = 16
 SUB = 16  # rows of the inverse's diagonal blocks
 SPLIT = "bfloat16"  # the halves of the inverse's fp32 operands
+# one set of 16-row blocks: strip s writes the inverse's diagonal block s (`N_d`), and the gate's sum flags
+# its summation block s for strip s's exact path
+assert STRIP == SUB == gate.ROWS
 
 
 def high(x):

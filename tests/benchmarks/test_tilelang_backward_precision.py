@@ -53,9 +53,18 @@ def test_the_shipped_roundings_show_at_bf16_precision():
 
 
 def test_the_configurations_keep_each_rounding_exact_in_turn():
-    configs = dict(precision.configurations(["h", "q_e"]))
+    configs = dict(precision.configurations(["h", "q_e", "rows+h+q_e"]))
     assert configs["shipped"] == precision.SHIPPED and configs["all exact"] == frozenset()
     assert configs["exact h"] == precision.SHIPPED - {"h"}
+    assert configs["exact rows+h+q_e"] == precision.SHIPPED - {"rows", "h", "q_e"}  # kept exact together
+
+
+def test_an_unknown_rounding_is_a_message_before_any_draw(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["tilelang_backward_precision.py", "--config", "rows+nonsense"])
+    monkeypatch.setattr(precision, "draw", lambda *a: pytest.fail("drew inputs for a bad command line"))
+    with pytest.raises(SystemExit) as stopped:
+        precision.main()
+    assert stopped.value.code == 2 and "no rounding 'nonsense'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode train_safe B1_T8192_H96_D128
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --variant intra:halves=/tmp/intra.py B1_T8192_H96_D128
     KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode train_safe --variant score_backward:bk32=/tmp/sb.py B4_T2048_H16_D128
+    KDA_VERIFY=off python benchmarks/tilelang_stages.py --mode fwd --plan split --plan fused:64 B2_T16384_H16_D128
 
 Runs the bench's own callable (`kda.bench.runner.call_for`, so exactly what the bench times) with each of
 the backend's kernels wrapped in CUDA events (the forward's three; in a training mode, ``train_safe`` or
@@ -21,6 +22,10 @@ untimed first step is also compared with the shipped kernels' on the same inputs
 state, or each gradient), ``max |variant - shipped| / max |shipped|``, and whether a NaN appeared. That is
 a smoke test (a broken variant shows near 1 or NaN, a rounding change near the outputs' precision), not
 verification: a variant's numbers are checked by `kda.verify` once it replaces the shipped file.
+
+``--plan split`` or ``--plan fused:BV`` (repeatable) also times the forward's serial pass planned that way
+(`kernels.state_plan`: the output a launch of its own, or in the pass with BV value columns a program), the
+same way, against the shipped rule's plan: the per-kernel lines show where the time moved, ``sum`` the call.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ class Variant(NamedTuple):
     build: Callable[..., Any]
 
 
+class Plan(NamedTuple):
+    name: str
+    plan: kernels.StatePlan
+
+
 def load_variant(text: str) -> Variant:
     """``KERNEL:NAME=PATH`` -> the builder of kernel KERNEL in the file PATH, under NAME."""
     kernel, colon, rest = text.partition(":")
@@ -114,11 +124,23 @@ def load_variants(texts: list[str]) -> list[Variant]:
     return variants
 
 
-def use(variant: Variant | None) -> None:
-    """Every kernel as shipped, but `variant`'s (None: all shipped)."""
+def load_plan(text: str) -> Plan:
+    """``split`` or ``fused:BV`` -> that state plan, named ``plan-split`` or ``plan-fused-BV``."""
+    if text == "split":
+        return Plan("plan-split", kernels.StatePlan(False, kernels.BV))
+    kind, _, columns = text.partition(":")
+    if kind == "fused" and columns in ("64", "128"):
+        return Plan(f"plan-fused-{columns}", kernels.StatePlan(True, int(columns)))
+    raise VariantError(f"--plan {text!r}: expected split, fused:64 or fused:128")
+
+
+def use(variant: Variant | Plan | None) -> None:
+    """Every kernel as shipped, but `variant`'s, or the forward planned as `variant` says (None: all
+    shipped)."""
     for kernel, (module, attribute) in BUILDERS.items():
         setattr(module, attribute, SHIPPED_BUILDS[kernel])
-    if variant is not None:
+    kernels.FORCED_PLAN = variant.plan if isinstance(variant, Plan) else None
+    if isinstance(variant, Variant):
         module, attribute = BUILDERS[variant.kernel]
         setattr(module, attribute, variant.build)
 
@@ -173,13 +195,16 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--variant", action="append", default=[], metavar="KERNEL:NAME=PATH")
+    parser.add_argument("--plan", action="append", default=[], metavar="split|fused:BV")
     args = parser.parse_args()
     try:
         variants = load_variants(args.variant)
+        plans = [load_plan(text) for text in dict.fromkeys(args.plan)]
     except VariantError as error:
         print(f"tilelang_stages: {error}", file=sys.stderr)
         return 2
-    runs: dict[str, Variant | None] = {SHIPPED: None} | {variant.name: variant for variant in variants}
+    runs: dict[str, Variant | Plan | None] = {SHIPPED: None} | {variant.name: variant for variant in variants}
+    runs |= {plan.name: plan for plan in plans}
     pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
     real = kernels.compile_all
 
@@ -212,12 +237,12 @@ def main() -> int:
                 torch.cuda.synchronize()
                 print(f"\n{shape_name} {mode_name} {label}: first call {time.perf_counter() - began:.1f} s", flush=True)
             names = list(inputs.leaves) if MODES[mode_name].training else ["o", "final_state"]
-            for variant in variants:
-                compared = difference(firsts[variant.name], firsts[SHIPPED], names)
-                print(f"  {variant.name} against {SHIPPED}: {compared}", flush=True)
+            for label in list(runs)[1:]:
+                compared = difference(firsts[label], firsts[SHIPPED], names)
+                print(f"  {label} against {SHIPPED}: {compared}", flush=True)
             firsts.clear()
             times: dict[str, dict[str, list[float]]] = {label: defaultdict(list) for label in runs}
-            moved: dict[str, int] = {}
+            moved: dict[str, dict[str, int]] = {label: {} for label in runs}  # a plan changes what a kernel moves
             for step in range(args.steps):
                 labels = list(runs)
                 for label in labels[step % len(labels) :] + labels[: step % len(labels)]:  # rotated each step
@@ -232,11 +257,11 @@ def main() -> int:
                         bytes_per_call[name] += nbytes
                     for name, ms in per_call.items():
                         times[label][name].append(ms)
-                    moved.update(bytes_per_call)
+                    moved[label].update(bytes_per_call)
             use(None)
             for label in runs:
                 print(f"\n{shape_name} {mode_name} {label}:")
-                _report(times[label], moved)
+                _report(times[label], moved[label])
             for variant in variants:
                 if variant.kernel not in times[SHIPPED]:
                     print(f"  {variant.kernel} {variant.name}: not launched in {mode_name}")
@@ -246,6 +271,10 @@ def main() -> int:
                 print(
                     f"  {variant.kernel} {variant.name}: {ms:.3f} ms against {shipped:.3f} shipped ({ms / shipped:.3f}x)"
                 )
+            for plan in plans:
+                ms = sum(statistics.median(kernel_ms) for kernel_ms in times[plan.name].values())
+                shipped = sum(statistics.median(kernel_ms) for kernel_ms in times[SHIPPED].values())
+                print(f"  {plan.name}: {ms:.3f} ms of kernels against {shipped:.3f} shipped ({ms / shipped:.3f}x)")
     return 0
 
 

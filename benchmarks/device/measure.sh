@@ -57,7 +57,8 @@
 #                STAGE_SHAPES (default B1_T8192_H96_D128 B4_T2048_H16_D128) in STAGE_MODES (default fwd
 #                fwd_pregated; train_safe and train_pregated time the backward's kernels too); with
 #                VARIANTS ("kernel:name=path ...": changed copies of a kernel's module, e.g. under .device/) each
-#                variant's kernel is timed in the same process, interleaved with the shipped one
+#                variant's kernel is timed in the same process, interleaved with the shipped one; with PLANS
+#                ("split fused:64 ...") the forward's serial pass planned each way, the same way
 #   tilelang-ncu Nsight Compute (--set full) on NCU_LAUNCHES (default 1) launches of the tilelang kernels matching
 #                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) -> kernels.ncu-rep, details.txt
 #                (every section as text), sass.csv (stall samples per instruction) and phases.txt (those samples
@@ -294,6 +295,7 @@ for target in "$@"; do
     KDA_VERIFY=off timeout "$(left 20)" python3 benchmarks/tilelang_stages.py \
       $(for m in ${STAGE_MODES:-fwd fwd_pregated}; do printf -- '--mode %s ' "$m"; done) \
       $(for v in ${VARIANTS:-}; do printf -- '--variant %s ' "$v"; done) \
+      $(for p in ${PLANS:-}; do printf -- '--plan %s ' "$p"; done) \
       ${STAGE_SHAPES:-B1_T8192_H96_D128 B4_T2048_H16_D128} > "$OUT/tilelang-stages/kernels.txt" 2>&1
     echo "tilelang-stages: exit $?"; grep -v -i -E "warn|tilelang\.jit|decision" "$OUT/tilelang-stages/kernels.txt" | tail -40
     ;;

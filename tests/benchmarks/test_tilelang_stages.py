@@ -114,3 +114,28 @@ def test_a_variant_is_compared_with_the_shipped_call_output_by_output():
     assert "o NaN" in stages.difference((torch.tensor([float("nan"), -4.0]), shipped[1]), shipped, ["o", "s"])
     assert "final_state missing" in stages.difference(shipped[:1], shipped, ["o", "final_state"])
     assert stages.difference([shipped[0] * 2], [shipped[0]], []) == "0 1.00e+00"  # unnamed outputs by index
+
+
+def test_a_plan_is_forced_while_it_runs_and_released_after():
+    """``--plan``: the forward's serial pass planned as named (`kernels.FORCED_PLAN`) for that run alone;
+    `use(None)` or a kernel variant puts the shipped rule back."""
+    split, wide = stages.load_plan("split"), stages.load_plan("fused:128")
+    assert (split.name, split.plan) == ("plan-split", stages.kernels.StatePlan(False, 64))
+    assert (wide.name, wide.plan) == ("plan-fused-128", stages.kernels.StatePlan(True, 128))
+    try:
+        stages.use(wide)
+        assert wide.plan == stages.kernels.FORCED_PLAN
+        stages.use(None)
+        assert stages.kernels.FORCED_PLAN is None
+    finally:
+        stages.use(None)
+
+
+@pytest.mark.parametrize("text", ["fused", "fused:32", "split:64", "both"])
+def test_a_plan_that_does_not_exist_says_which_do(text, monkeypatch, capsys):
+    with pytest.raises(stages.VariantError, match="expected split, fused:64 or fused:128"):
+        stages.load_plan(text)
+    monkeypatch.setattr(sys, "argv", ["tilelang_stages.py", "--mode", "fwd", "--plan", text, "B1_T64_H1_D64"])
+    monkeypatch.setattr(stages, "make_inputs", lambda *a, **k: pytest.fail("inputs made for a bad command line"))
+    assert stages.main() == 2
+    assert "expected split" in capsys.readouterr().err

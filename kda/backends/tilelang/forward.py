@@ -1,11 +1,13 @@
-"""The forward pass: three launches (``intra``, with the ``gate`` macro inside it, ``state``, ``output``; the
-math is in each module).
+"""The forward pass: two launches (``intra``, with the ``gate`` macro inside it, then ``state`` with the output
+in its serial pass), or three where `kernels.state_plan` keeps ``output`` apart (K = 256); the math is in
+each module.
 
 Inputs are read token-major where the caller put them (``tokens = B*T``, or ``T`` with varlen): q, k
 ``[tokens, H, K]``, v ``[tokens, HV, V]``, g ``[tokens, HV, K]``, beta ``[tokens, HV]``; o ``[tokens, HV, V]``.
 Intermediates are chunk-major (``[NT, HV, C, ...]``): ``G_last [NT, HV, K]`` in fp32 (``G`` itself never
 leaves the intra kernel's shared memory); ``q_e``, ``k_g``, ``w [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and
-``h [NT, HV, K, V]`` in the inputs' dtype. When the call trains, `intra` also writes what the backward reads
+``h [NT, HV, K, V]`` in the inputs' dtype (``h`` and ``v_new`` only where something reads them back: the
+output stage, the backward, or the caller's intermediate states). When the call trains, `intra` also writes what the backward reads
 and nothing else computes: ``G [NT, HV, C, K]``, ``beta [NT, HV, C]``, ``M = A_kk / beta`` and
 ``T = (I + A_kk)^-1 [NT, HV, C, C]``, all fp32, and with the l2norm the reciprocal norms ``r`` of q's and k's
 rows, ``[tokens, H]`` fp32 (the backward forms the normalized rows ``x r`` from the inputs, autograd's saved
@@ -48,9 +50,11 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
     # u, then v_new (the state pass writes over it); fp32 in training, for the backward's dA_log
     u = torch.empty(NT, HV, C, V, dtype=f32 if train else dtype, device=device)
     A_qk = torch.empty(NT, HV, C, C, dtype=dtype, device=device)
-    h = torch.empty(NT, HV, K, V, dtype=dtype, device=device)
-    o, ht = output_buffers(spec, out)
     placeholder = torch.zeros(1, dtype=f32, device=device)
+    fused = "output" not in compiled
+    keep_h = not fused or train or spec.return_intermediate_states
+    h = torch.empty(NT, HV, K, V, dtype=dtype, device=device) if keep_h else placeholder.to(dtype)
+    o, ht = output_buffers(spec, out)
     h0 = inputs.initial_state.contiguous() if inputs.initial_state is not None else None
 
     if train:
@@ -76,15 +80,20 @@ def tilelang_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = 
             q, k, v, g, b, A_log, dt_bias, starts, ends, G_last, q_e, k_g, w, u, A_qk,
             G, beta, M, T_inv, rstd_q, rstd_k,
         )  # fmt: skip
+    o_tokens = o.view(tokens, HV, V) if tokens > 0 else torch.empty(1, HV, V, dtype=dtype, device=device)
     if layout.num_seqs > 0:
         # each sequence's first and end chunk as buffers of their own: a view one element in starts 4 bytes
         # past an aligned address, which a kernel's argument checks may refuse
+        index = placeholder.to(torch.int32)
+        output_args = (q_e, A_qk, layout.chunk_starts, layout.chunk_seq_ends, o_tokens) if fused else (
+            placeholder.to(dtype), placeholder.to(dtype), index, index, placeholder.to(dtype),
+        )  # fmt: skip
         compiled["state"](
             w, u, k_g, G_last, layout.chunk_bounds[:-1].clone(), layout.chunk_bounds[1:].clone(), h,
-            h0 if h0 is not None else placeholder, ht if ht is not None else placeholder,
+            h0 if h0 is not None else placeholder, ht if ht is not None else placeholder, *output_args,
         )  # fmt: skip
-    if layout.num_chunks > 0:
-        compiled["output"](q_e, h, A_qk, u, layout.chunk_starts, layout.chunk_seq_ends, o.view(tokens, HV, V))
+    if layout.num_chunks > 0 and not fused:
+        compiled["output"](q_e, h, A_qk, u, layout.chunk_starts, layout.chunk_seq_ends, o_tokens)
 
     o, ht = deliver(o, ht, out)
     per_chunk = per_chunk_states(h, layout.num_chunks, B, spec) if spec.return_intermediate_states else None

@@ -71,6 +71,7 @@ import functools
 
 import tilelang.language as T
 
+from kda.backends.tilelang import gate
 from kda.backends.tilelang.intra import SPLIT, STRIP, high, low
 
 KEY_BLOCK = 64  # key columns a program: wgmma's M, and the work of a chunk spread over K / 64 programs
@@ -84,11 +85,20 @@ STEP_LIMIT = 8.0  # the triton backend's `DIFFERENCE_STEP`
 THREADS = 256
 
 
+def within_limits(gate_mode: int, lower_bound: float) -> bool:
+    """Whether the gate keeps every strip within `SPAN_LIMIT` and `STEP_LIMIT`, so that no strip measures its
+    span: the sigmoid and safe gates give ``|a_t| <= |lower_bound|``, a step of at most that and a span of
+    at most 15 times it (75 and 5 for the safe gate's -5)."""
+    bound = abs(lower_bound)
+    return gate_mode in (gate.SIGMOID, gate.SAFE) and (STRIP - 1) * bound <= SPAN_LIMIT and bound <= STEP_LIMIT
+
+
 @functools.cache
-def build(C: int, K: int, dtype: str, l2norm: bool):
+def build(C: int, K: int, dtype: str, l2norm: bool, bounded: bool = False):
     """The kernel for chunk `C` (32 or 64), key head dim `K` (a multiple of 64) and input dtype `dtype`
     ("bfloat16" or "float16"); with `l2norm` the rows are ``x r`` (`used`), formed in fp32 from the inputs
-    and their scales, and every operand is formed from them in fp32 and split into halves."""
+    and their scales, and every operand is formed from them in fp32 and split into halves. `bounded`
+    (`within_limits`): no strip measures its span, and the exact diagonal block is not compiled."""
     tokens, NT = T.dynamic("tokens"), T.dynamic("NT")
     H, HV = T.dynamic("H"), T.dynamic("HV")
     f32 = "float32"
@@ -167,32 +177,52 @@ def build(C: int, K: int, dtype: str, l2norm: bool):
                     r_q[i] = T.if_then_else(ok, rstd_q[start + i, h], 0.0)
                     r_k[i] = T.if_then_else(ok, rstd_k[start + i, h], 0.0)
 
+            # the rows operand past the strip's last row is never built (below); it meets only dP's zeros
+            # there, and a zero times shared memory's first contents could be NaN
+            T.clear(rows_hi)
+            T.clear(rows_lo)
+
             for s in T.serial(strips):
                 a = s * STRIP
                 e = a + STRIP - 1
-                for i, d in T.Parallel(STRIP, BK):
-                    previous = T.max(a + i - 1, a)  # the strip's first row: its own, a step of 0
-                    step = T.abs(G_s[a + i, d] - G_s[previous, d])
-                    reach = T.max(T.abs(G_s[a + i, d] - G_s[a, d]), T.abs(G_s[a + i, d] - G_s[e, d]))
-                    gaps[i, d] = T.max(reach, step_weight * step)
-                T.reduce_max(gaps, row_span, dim=1)
-                T.reduce_max(row_span, span, dim=0)
-                # the products' reach: as rows the columns before the cut, as columns the rows from it
-                cut_rows = T.if_then_else(span[0] <= SPAN_LIMIT, a + STRIP, a)
-                cut_cols = T.if_then_else(span[0] <= SPAN_LIMIT, a, a + STRIP)
+                if bounded:  # the gate keeps every strip within both limits (`within_limits`)
+                    cut_rows = a + STRIP
+                    cut_cols = a
+                else:
+                    for i, d in T.Parallel(STRIP, BK):
+                        previous = T.max(a + i - 1, a)  # the strip's first row: its own, a step of 0
+                        step = T.abs(G_s[a + i, d] - G_s[previous, d])
+                        reach = T.max(T.abs(G_s[a + i, d] - G_s[a, d]), T.abs(G_s[a + i, d] - G_s[e, d]))
+                        gaps[i, d] = T.max(reach, step_weight * step)
+                    T.reduce_max(gaps, row_span, dim=1)
+                    T.reduce_max(row_span, span, dim=0)
+                    # the products' reach: as rows the columns before the cut, as columns the rows from it
+                    cut_rows = T.if_then_else(span[0] <= SPAN_LIMIT, a + STRIP, a)
+                    cut_cols = T.if_then_else(span[0] <= SPAN_LIMIT, a, a + STRIP)
 
-                # operands outside their reach are 0 by a select: exp there may be inf, never multiplied. The
-                # loops run along the key block, so that neighbouring threads read neighbouring words
-                for j, d in T.Parallel(C, BK):
-                    x = T.if_then_else(j < cut_rows, used(k_s, r_k, j, d) * T.exp(G_s[a, d] - G_s[j, d]), 0.0)
-                    rows_hi[d, j] = high(x)
-                    rows_lo[d, j] = low(x)
-                for j, d in T.Parallel(2 * C, BK):
-                    i = j % C
-                    x_in = T.if_then_else(j < C, used(q_s, r_q, i, d), used(k_s, r_k, i, d))
-                    x = T.if_then_else(i >= cut_cols, x_in * T.exp(G_s[i, d] - G_s[e, d]), 0.0)
-                    cols_hi[d, j] = high(x)
-                    cols_lo[d, j] = low(x)
+                # operands outside their reach are 0 by a select: exp there may be inf, never multiplied. Only
+                # the 16-row blocks a product can reach are built: as rows the strip's and those above it (the
+                # rest stay 0 from the clear: dP_qk[S, :] and dP_kk[S, :] are 0 past the strip); as columns
+                # the strip's and those below it (the blocks above keep the last strip's finite values, which
+                # meet dP's zeros: the columns' dP is 0 above the strip). Built whole, 62.5% of each strip's
+                # exponentials were thrown away. The loops run along the key block, so that neighbouring
+                # threads read neighbouring words
+                for block in T.serial(s + 1):
+                    for i, d in T.Parallel(STRIP, BK):
+                        j = block * STRIP + i
+                        x = T.if_then_else(j < cut_rows, used(k_s, r_k, j, d) * T.exp(G_s[a, d] - G_s[j, d]), 0.0)
+                        rows_hi[d, j] = high(x)
+                        rows_lo[d, j] = low(x)
+                for block in T.serial(strips - s):
+                    for n, d in T.Parallel(STRIP, BK):
+                        i = a + block * STRIP + n
+                        decay = T.if_then_else(i >= cut_cols, T.exp(G_s[i, d] - G_s[e, d]), 0.0)
+                        x_q = used(q_s, r_q, i, d) * decay
+                        x_k = used(k_s, r_k, i, d) * decay
+                        cols_hi[d, i] = high(x_q)
+                        cols_lo[d, i] = low(x_q)
+                        cols_hi[d, C + i] = high(x_k)
+                        cols_lo[d, C + i] = low(x_k)
                 # dP cut to its causal triangles (what lies above them is not this stage's to read)
                 for n, j in T.Parallel(STRIP, C):
                     x_q = T.if_then_else(j <= a + n, dP_qk[c, hv, a + n, j], 0.0)
@@ -232,7 +262,7 @@ def build(C: int, K: int, dtype: str, l2norm: bool):
                     out_k[i, d] = da_k + db
                     out_G[i, d] = used(q_s, r_q, row, d) * da_q + used(k_s, r_k, row, d) * (da_k - db)
 
-                if span[0] > SPAN_LIMIT:  # the diagonal block exactly: token a + jj as a column and as a row
+                if not bounded and span[0] > SPAN_LIMIT:  # the diagonal block exactly: a + jj as column and row
                     for i, d in T.Parallel(STRIP, BK):
                         row = a + i
                         G_i = G_s[row, d]

@@ -94,6 +94,8 @@ def make_inputs(lengths, C, H, group, K, gate, dtype=torch.float32, device="cpu"
     k = torch.nn.functional.normalize(torch.randn(tokens, H, K), dim=-1)
     if gate == "mild":  # a strip's span at most 15 * 0.5 and steps of at most 0.5: by product
         steps = -0.5 * torch.rand(NT, HV, C, K)
+    elif gate == "safe":  # the safe gate's bound: steps of at most 5, a strip's span at most 75
+        steps = -5.0 * torch.rand(NT, HV, C, K)
     elif gate == "extreme":  # steps of -20 +- 5: past the step limit, the exact diagonal block
         steps = -20.0 * (0.75 + 0.5 * torch.rand(NT, HV, C, K))
     else:  # "mixed": strips alternate between the two
@@ -201,6 +203,22 @@ def test_it_builds_with_nvcc_two_blocks_an_sm_without_spills(tmp_path):
     assert re.findall(r"(\d+) bytes spill stores", report) == ["0"], report[-2000:]
 
 
+def test_a_bounded_gate_measures_no_span():
+    """Where the gate bounds every strip (the sigmoid and safe gates at a lower bound of at most 5 in size:
+    steps of at most 5, spans of at most 75), the kernel is compiled without the span's two reductions a
+    strip and without the exact diagonal block; elsewhere both stay."""
+    from kda.backends.tilelang import gate
+
+    assert score_backward.within_limits(gate.SAFE, -5.0) and score_backward.within_limits(gate.SIGMOID, -1.0)
+    assert not score_backward.within_limits(gate.SAFE, -5.4)  # 15 x 5.4 = 81: past the span limit
+    assert not score_backward.within_limits(gate.SOFTPLUS, -5.0) and not score_backward.within_limits(gate.PREGATED, 0)
+    bounded = runtime.lower(score_backward.build(*QUICK[0], True, True)).kernel_source
+    measuring = lower(QUICK[0])[0]
+    assert "row_span" in measuring and "AllReduce" in measuring
+    assert "row_span" not in bounded and "AllReduce" not in bounded
+    assert bounded.count("__syncthreads") < measuring.count("__syncthreads")
+
+
 def test_the_product_operands_are_bf16_halves():
     """Every product reads bf16 halves (`intra.high`, `intra.low`) from shared memory: dP is fp32 and must
     not be rounded to one 16-bit value, and both halves of each operand reach a wgmma."""
@@ -236,3 +254,30 @@ def test_kernel_matches_the_reference_on_the_gpu(seed, dtype, C, gate, K):
     torch.cuda.synchronize()
     found = errors(outputs, before, [q_rows, k_rows, *(x.cpu() for x in inputs[2:])], group)
     assert max(found.values()) <= 1e-4, found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [32, 64])
+@pytest.mark.usefixtures("hopper")
+def test_the_bounded_kernel_matches_the_reference_and_the_measuring_one(seed, C):
+    """Under the safe gate's bound the kernel compiled `bounded` (no span measured, only the operand blocks a
+    product reaches built) matches the reference, and the kernel that measures the spans bit for bit: the
+    products see the same nonzero operands."""
+    H, group, K, dtype = 2, 2, 128, "bfloat16"
+    lengths = (5 * C + 13, 1, 0, C - 3, 2 * C)
+    inputs, _ = make_inputs(lengths, C, H, group, K, "safe", device="cuda")
+    _, _, G, dP_qk, dP_kk, starts, ends = inputs
+    tokens = sum(lengths)
+    (q, r_q, q_rows), (k, r_k, k_rows) = (inputs_and_scales((tokens, H, K), torch.bfloat16, True) for _ in "qk")
+    before = [torch.randn_like(G) for _ in range(3)]
+    results = []
+    for bounded in (True, False):
+        (kernel,) = runtime.compile_all([(score_backward.build, (C, K, dtype, True, bounded))])
+        outputs = [x.clone() for x in before]
+        kernel(q.cuda(), k.cuda(), r_q.cuda(), r_k.cuda(), G, dP_qk, dP_kk, starts, ends, *outputs)
+        torch.cuda.synchronize()
+        results.append(outputs)
+    found = errors(results[0], before, [q_rows, k_rows, *(x.cpu() for x in inputs[2:])], group)
+    assert max(found.values()) <= 1e-4, found
+    for ours, theirs in zip(*results, strict=True):
+        assert torch.equal(ours, theirs)

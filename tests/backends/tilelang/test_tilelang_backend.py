@@ -81,17 +81,22 @@ def products(source: str) -> set[str]:
     return set(re.findall(r"wgmma_ss|wgmma_rs|mma_sync", source))
 
 
+def forward_kernels(dim: int) -> set[str]:
+    """The forward's launches at K = dim: the output is in the serial pass up to K = 128."""
+    return {"intra", "state"} if dim <= 128 else {"intra", "state", "output"}
+
+
 @pytest.mark.parametrize("claim", CLAIMED, ids=lambda claim: "-".join(map(str, claim)))
 def test_every_claimed_shape_lowers_to_tensor_core_products(lowered, claim):
     chunk = claim[0]
     kernels = kernels_of(lowered, claim)
-    assert set(kernels) == {"intra", "state", "output"}
+    assert set(kernels) == forward_kernels(claim[1])
     for name, (source, shared) in kernels.items():
         assert shared <= H200_SHARED_MEMORY, (name, shared)
         assert "__global__" in source, name
     # chunk 64 gives the score, state and output products a 64-row side: one warpgroup's wgmma. At chunk 32
     # the 32-row products are below wgmma's M = 64 and use mma.sync; the state's [K, C] x [C, BV] keeps wgmma.
-    for name in ("intra", "state", "output"):
+    for name in kernels:
         found = products(kernels[name][0])
         assert found, (name, "no tensor-core product")
         if chunk == 64 or name == "state":
@@ -202,20 +207,99 @@ def test_call_variants_lower(lowered, variant):
     """The compile-time flags each give kernels that lower: every gate mode, the beta and l2norm options,
     the state layouts and their absence, GVA, and K != V."""
     kernels = kernels_of(lowered, variant)
-    assert set(kernels) == {"intra", "state", "output"}
+    assert set(kernels) == {"intra", "state"}
     assert "wgmma_ss" in products(kernels["intra"][0])
+
+
+def _state_source(spec: KDASpec) -> tuple[str, str]:
+    """The lowered `state` kernel of `spec`: its signature line and its whole source."""
+    (kernel,) = [kernel for kernel in kernels.specializations(spec) if kernel.name == "state"]
+    source, _ = _lower(kernel)
+    (signature,) = [line for line in source.splitlines() if "__launch_bounds__" in line]
+    return signature, source
+
+
+def test_the_output_is_in_the_serial_pass_and_h_stays_on_chip(monkeypatch):
+    """Up to K = 128 the forward is two launches: `state` computes each chunk's output from the state and
+    ``v_new`` it holds (two more products: four ``wgmma`` sites), so at inference neither ``h`` nor ``v_new``
+    goes to memory (no parameter for ``h``, no tensor store) and ``o`` is written; with 128 value columns
+    two warpgroups share a program. A caller's intermediate states keep ``h``; training keeps ``h`` and
+    ``v_new`` for the backward. At K = 256 the output stays a launch."""
+    inference = spec_of(K=128, V=128, chunk_size=64)
+    for columns, threads in ((64, 256), (128, 384)):  # the computing warpgroups and TileLang's producer warps
+        monkeypatch.setattr(kernels, "FORCED_PLAN", kernels.StatePlan(True, columns))
+        signature, source = _state_source(inference)
+        assert "bfloat16_t* __restrict__ o" in signature and "h_desc" not in signature and " h," not in signature
+        assert "tma_store" not in source and source.count("wgmma_ss<") == 4
+        assert f"__launch_bounds__({threads}, 1)" in signature
+    monkeypatch.setattr(kernels, "FORCED_PLAN", None)
+
+    kept = inference.model_copy(update={"return_intermediate_states": True})
+    signature, source = _state_source(kept)
+    assert "tma_store(h_desc" in source and "tma_store(u_desc" not in source
+
+    training = spec_of(K=128, V=128, chunk_size=64, training=True)
+    signature, source = _state_source(training)
+    assert "tma_store(h_desc" in source and "float* __restrict__ u" in signature
+    assert "bfloat16_t* __restrict__ o" in signature
+
+    wide = spec_of(K=256, V=256)
+    assert kernels.state_plan(wide) == kernels.StatePlan(False, 64)
+    assert [kernel.name for kernel in kernels.specializations(wide)] == ["intra", "state", "output"]
+
+
+def _plan_for(*, sequences: int, HV: int, V: int = 128, K: int = 128, training: bool = False, varlen: bool = False):
+    """`kernels.state_plan` of a call of that size (only the fields the rule reads)."""
+    from types import SimpleNamespace
+
+    cu_seqlens = SimpleNamespace(shape=(sequences + 1,)) if varlen else None
+    spec = SimpleNamespace(
+        K=K, V=V, HV=HV, B=1 if varlen else sequences, cu_seqlens=cu_seqlens, requires_grad=training,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    return kernels.state_plan(spec)
+
+
+def test_the_pass_takes_128_value_columns_only_past_one_wave():
+    """64 value columns a program while those programs fit the GPU's SMs (132 on an H100 or H200, and on a
+    machine without one), 128 past that (on an H100: 1.95 against 2.12 ms at B1_T8192_H96_D128, 192
+    programs; 1.52 against 1.94 the other way at B2_T16384_H16_D128, 64); training always 64 (fp32 ``u``
+    tiles); varlen counts its sequences."""
+    assert _plan_for(sequences=1, HV=96) == kernels.StatePlan(True, 128)  # 192 programs of 64 columns
+    assert _plan_for(sequences=2, HV=16) == kernels.StatePlan(True, 64)  # 64
+    assert _plan_for(sequences=4, HV=16) == kernels.StatePlan(True, 64)  # 128
+    assert _plan_for(sequences=66, HV=1) == kernels.StatePlan(True, 64)  # 132: one full wave
+    assert _plan_for(sequences=67, HV=1) == kernels.StatePlan(True, 128)
+    assert _plan_for(sequences=67, HV=1, varlen=True) == kernels.StatePlan(True, 128)
+    assert _plan_for(sequences=1, HV=96, training=True) == kernels.StatePlan(True, 64)
+    assert _plan_for(sequences=8, HV=64, V=64) == kernels.StatePlan(True, 64)  # V = 64: one block of columns
+    assert _plan_for(sequences=1, HV=96, K=256, V=256) == kernels.StatePlan(False, 64)
+
+
+def test_a_forced_plan_is_what_specializations_gives(monkeypatch):
+    """`benchmarks/tilelang_stages.py --plan` times the plans side by side through `FORCED_PLAN`; a plan
+    that cannot fit (the output in the pass at K = 256) falls back to the split one."""
+    monkeypatch.setattr(kernels, "FORCED_PLAN", kernels.StatePlan(False, 64))
+    assert [kernel.name for kernel in kernels.specializations(spec_of(K=128, V=128, chunk_size=64))] == [
+        "intra",
+        "state",
+        "output",
+    ]
+    monkeypatch.setattr(kernels, "FORCED_PLAN", kernels.StatePlan(True, 128))
+    assert kernels.state_plan(spec_of(K=128, V=64, chunk_size=64)) == kernels.StatePlan(True, 64)
+    assert kernels.state_plan(spec_of(K=256, V=256)).with_output is False
 
 
 BACKWARD = ["state_backward", "chunk_backward", "score_backward", "gate_tail", "qk_tail"]
 
 
 def test_training_adds_the_backward_and_the_forward_saves_for_it():
-    """A training call's kernels are the forward's three, `intra` compiled to save what the backward reads
-    (its last parameter), and the backward's five; an inference call's `intra` saves nothing."""
+    """A training call's kernels are the forward's, `intra` compiled to save what the backward reads (its
+    last parameter), and the backward's five; an inference call's `intra` saves nothing."""
     inference, training = spec_of(K=64, V=64), spec_of(K=64, V=64, training=True)
-    assert [kernel.name for kernel in kernels.specializations(inference)] == ["intra", "state", "output"]
+    assert [kernel.name for kernel in kernels.specializations(inference)] == ["intra", "state"]
     trained = kernels.specializations(training)
-    assert [kernel.name for kernel in trained] == ["intra", "state", "output", *BACKWARD]
+    assert [kernel.name for kernel in trained] == ["intra", "state", *BACKWARD]
     assert trained[0].params[-1] is True and kernels.specializations(inference)[0].params[-1] is False
     assert trained[0].params[:-1] == kernels.specializations(inference)[0].params[:-1]
 
@@ -227,10 +311,10 @@ def test_the_training_kernels_lower_and_intra_keeps_its_occupancy(lowered):
     1.4 times slower on an H100), and the saved tensors are written: G, beta, M, T and the rows' reciprocal
     norms (the normalized rows are not stored)."""
     kernels = kernels_of(lowered, "training")
-    assert set(kernels) == {"intra", "state", "output", *BACKWARD}
+    assert set(kernels) == {"intra", "state", *BACKWARD}
     for name, (_source, shared) in kernels.items():
         assert shared <= H200_SHARED_MEMORY, (name, shared)
-    for name in ("intra", "state", "output", "state_backward", "chunk_backward", "score_backward"):
+    for name in ("intra", "state", "state_backward", "chunk_backward", "score_backward"):
         assert "wgmma_ss" in products(kernels[name][0]), name
     saving, plain = kernels["intra"], kernels_of(lowered, (64, 128, "bfloat16"))["intra"]
     assert saving[1] == plain[1]
@@ -258,8 +342,7 @@ def test_training_keeps_what_dA_log_needs_in_fp32(l2norm):
         k.name: _dtypes(k) for k in kernels.specializations(spec_of(K=64, V=64, training=True, qk_l2norm=l2norm))
     }
     inference = {k.name: _dtypes(k) for k in kernels.specializations(spec_of(K=64, V=64, qk_l2norm=l2norm))}
-    assert training["intra"]["u"] == training["state"]["u"] == "float32"
-    assert training["output"]["v_new"] == training["chunk_backward"]["v_new"] == "float32"
+    assert training["intra"]["u"] == training["state"]["u"] == training["chunk_backward"]["v_new"] == "float32"
     assert "q_n" not in training["intra"] and "k_n" not in training["intra"]  # no normalized rows stored
     assert training["intra"]["rstd_q"] == training["intra"]["rstd_k"] == "float32"
     for stage in ("chunk_backward", "score_backward"):
@@ -268,7 +351,7 @@ def test_training_keeps_what_dA_log_needs_in_fp32(l2norm):
     assert training["qk_tail"]["x"] == "bfloat16" and training["qk_tail"]["rstd"] == "float32"
     # what the state passes multiply by stays in the inputs' dtype, and inference is untouched
     assert {training["state_backward"][name] for name in ("q_e", "w", "k_g", "A_qk")} == {"bfloat16"}
-    assert inference["intra"]["u"] == inference["state"]["u"] == inference["output"]["v_new"] == "bfloat16"
+    assert inference["intra"]["u"] == inference["state"]["u"] == "bfloat16"
 
 
 def _shared_buffers(kernel: kernels.Kernel) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """The kernels a call needs, with their compile-time parameters, and compiling them.
 
 `specializations` lists every kernel of a call: the forward's (`intra`, `state`, and `output` where
-`output_in_state_pass` leaves it a launch of its own) and, when
+`state_plan` leaves it a launch of its own) and, when
 the call trains, the backward's five (`state_backward`, `chunk_backward`, `score_backward`, `gate_tail`,
 `qk_tail`). The backend compiles them all before it says yes to a call (`TileLangBackend.supports`), the
 forward and backward launch what `compile_all` returns, and CI lowers the same list for every shape class

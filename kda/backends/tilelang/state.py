@@ -12,13 +12,13 @@ state (or 0)::
     final_state[n] = S
 
 ``G_last [NT, HV, K]`` is each chunk's last row of ``G`` (stage 2 writes it). Only this loop is serial. ``S`` stays in registers in fp32 (``[K, BV]``); both products are ``wgmma`` on
-one warpgroup a 64 value columns, ``[C, K] x [K, BV]`` and ``[K, C] x [C, BV]`` (``k_g`` read transposed from shared
+one warpgroup per 64 value columns, ``[C, K] x [K, BV]`` and ``[K, C] x [C, BV]`` (``k_g`` read transposed from shared
 memory), with ``S`` rounded to the inputs' dtype as their operand. The chunk's tiles (``w``, ``k_g``,
 ``u``, ``G_last``; with the output ``q_e`` and ``A_qk``) are loaded a chunk ahead (`T.Pipelined`), so the copies of chunk ``j + 1``
 overlap the products of chunk ``j``. A tail chunk's rows past the end are zero in ``w``, ``u`` and
 ``k_g``, so they change nothing, and ``G_last`` is the last token's value.
 
-**The output in the pass** (`with_output`, `kernels.output_in_state_pass` decides): the chunk's output
+**The output in the pass** (`with_output`, `kernels.state_plan` decides): the chunk's output
 takes the operands the pass already holds, ``S`` rounded (``h[j]``) and ``v_new`` rounded, so ``h`` and
 ``v_new`` never go to memory and back at inference (`store_h`: written only for a caller's intermediate
 states or the backward; `store_v_new`: only for the backward), and the output stage's launch goes. Its
@@ -44,7 +44,7 @@ STAGES = 2
 
 
 def threads_for(BV: int) -> int:
-    """One warpgroup a 64 value columns: each takes a 64-column slice of every product."""
+    """One warpgroup per 64 value columns: each takes a 64-column slice of every product."""
     return 128 * max(BV // 64, 1)
 
 

@@ -125,20 +125,25 @@ def gradients(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
-    dg32: torch.Tensor,
+    dg: torch.Tensor,
     dbeta: torch.Tensor,
     dA_rows: torch.Tensor,
     dh0: torch.Tensor | None,
+    ddt_bias: torch.Tensor | None = None,
 ) -> KDAGradients:
     """The gradients in the shapes and dtypes of the inputs as passed, from a backward's token-major parts
-    (``dq``, ``dk``, ``dv``, ``dbeta``; ``dg32 [tokens, HV, K]`` fp32) and its per-row parts of ``dA_log``
-    (``dA_rows [NT, HV, C]`` fp32). The sums over tokens (``ddt_bias``, ``dA_log``) are torch sums: a fixed
-    order, no atomics."""
-    dA_log = ddt_bias = dinitial_state = None
+    (``dq``, ``dk``, ``dv``, ``dbeta``; ``dg [tokens, HV, K]``, fp32 or already in g's dtype) and its per-row
+    parts of ``dA_log`` (``dA_rows [NT, HV, C]`` fp32). ``ddt_bias`` (``[HV, K]`` fp32), where the backward
+    summed it itself; else it is the sum of an fp32 ``dg`` over tokens. The sums over tokens are torch sums:
+    a fixed order, no atomics."""
+    dA_log = dinitial_state = None
     if inputs.A_log is not None:
         dA_log = dA_rows.sum(dim=(0, 2)).to(inputs.A_log.dtype)
     if inputs.dt_bias is not None:
-        ddt_bias = dg32.sum(dim=0).reshape(inputs.dt_bias.shape).to(inputs.dt_bias.dtype)
+        if ddt_bias is None:
+            assert dg.dtype == torch.float32, "ddt_bias is summed from an fp32 dg"
+            ddt_bias = dg.sum(dim=0)
+        ddt_bias = ddt_bias.reshape(inputs.dt_bias.shape).to(inputs.dt_bias.dtype)
     if inputs.initial_state is not None:
         assert dh0 is not None
         dinitial_state = dh0.to(inputs.initial_state.dtype)
@@ -146,7 +151,7 @@ def gradients(
         dq=dq.view_as(inputs.q),
         dk=dk.view_as(inputs.k),
         dv=dv.view_as(inputs.v),
-        dg=dg32.to(inputs.g.dtype).view_as(inputs.g),
+        dg=dg.to(inputs.g.dtype).view_as(inputs.g),
         dbeta=dbeta.view_as(inputs.beta),
         dA_log=dA_log,
         ddt_bias=ddt_bias,

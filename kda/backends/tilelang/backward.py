@@ -77,7 +77,8 @@ def tilelang_backward(
         del dh, dv_new
         compiled["score_backward"](q, k, rstd_q, rstd_k, saved["G"], dP_qk, dP_kk, starts, ends, dq_c, dk_c, dG_c)
         del dP_qk, dP_kk
-        dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
+        dg = torch.empty(tokens, HV, K, dtype=inputs.g.dtype, device=device)
+        ddt_parts = torch.empty(NT, HV, K, dtype=f32, device=device) if inputs.dt_bias is not None else placeholder
         dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)
         A_log = (
             inputs.A_log.float().contiguous() if inputs.A_log is not None else torch.zeros(HV, dtype=f32, device=device)
@@ -85,7 +86,7 @@ def tilelang_backward(
         dt_bias = inputs.dt_bias.reshape(HV, K).float().contiguous() if inputs.dt_bias is not None else placeholder
         compiled["gate_tail"](
             inputs.g.reshape(tokens, HV, K).contiguous(), inputs.beta.reshape(tokens, HV).contiguous(), A_log,
-            dt_bias, dG_c, dbeta_c, starts, ends, dg32, dbeta, dA_rows,
+            dt_bias, dG_c, dbeta_c, starts, ends, dg, dbeta, dA_rows, ddt_parts,
         )  # fmt: skip
         del dG_c, dbeta_c
         dq = torch.empty(tokens, H, K, dtype=inputs.q.dtype, device=device)
@@ -93,7 +94,8 @@ def tilelang_backward(
         for x, rstd, dx_c, dx in ((q, rstd_q, dq_c, dq), (k, rstd_k, dk_c, dk)):
             compiled["qk_tail"](x, rstd, dx_c, starts, ends, dx)
     else:  # every sequence empty: nothing but the state's own gradient
-        dg32 = torch.zeros(tokens, HV, K, dtype=f32, device=device)
+        dg = torch.zeros(tokens, HV, K, dtype=inputs.g.dtype, device=device)
+        ddt_parts = torch.zeros(1, HV, K, dtype=f32, device=device) if inputs.dt_bias is not None else placeholder
         dbeta = torch.zeros(tokens, HV, dtype=inputs.beta.dtype, device=device)
         dq = torch.zeros(tokens, H, K, dtype=inputs.q.dtype, device=device)
         dk = torch.zeros(tokens, H, K, dtype=inputs.k.dtype, device=device)
@@ -101,4 +103,5 @@ def tilelang_backward(
         if dh0 is not None:
             dh0.copy_(dfinal_state if dfinal_state is not None else torch.zeros_like(dh0))
 
-    return chunks.gradients(inputs, dq, dk, dv, dg32, dbeta, dA_rows, dh0)
+    ddt_bias = ddt_parts.sum(dim=0) if inputs.dt_bias is not None else None
+    return chunks.gradients(inputs, dq, dk, dv, dg, dbeta, dA_rows, dh0, ddt_bias=ddt_bias)

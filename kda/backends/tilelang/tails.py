@@ -17,9 +17,9 @@ The sum runs over all ``C`` rows, past the end too: there the forward's ``a`` wa
 token's value, so a tail row's ``dG`` belongs to every valid row above it. The host sums ``ddt_parts`` over
 chunks for ``ddt_bias`` and ``dA_rows`` for ``dA_log`` (torch sums: a fixed order, no atomics). ``dg`` leaves
 in g's dtype, rounded from the same fp32 value the host rounded before, and ``ddt_bias``'s sum over a chunk's
-rows is made here from the fp32 values: an fp32 ``dg`` for the host to sum and round was 10 of the 12 bytes
-a token, head and key column this stage and the host moved (400 MB written, then read twice, at
-B1_T8192_H96_D128).
+rows is made here from the fp32 values. Written in fp32 for the host to sum and round, ``dg`` took 12 of the
+20 bytes a token, head and key column that this stage and the host moved (now 8 in all; at B1_T8192_H96_D128
+the fp32 ``dg`` was 400 MB written, read twice, and written again in bf16).
 
 `build_qk_tail`, per chunk ``c`` and q/k head: the ``group = HV // H`` value heads' ``dx_c`` summed, then
 with the l2norm (``x`` the rows as given, ``r`` their ``1 / |x|`` as `intra` formed it, ``x^ = x r`` the

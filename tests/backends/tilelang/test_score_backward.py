@@ -5,7 +5,8 @@
   varlen batches with ragged tails, GVA, and mild (every strip's diagonal block by product) and extreme
   (log decays of about -20 a step: the exact diagonal block) gates;
 - every claimed shape (chunk 32 and 64, K of 64, 128 and 256, bf16 and fp16) lowers to CUDA for sm_90a,
-  with ``wgmma`` products and shared memory that fits the H200;
+  with ``wgmma`` products and shared memory that fits the H200, and each strip's global reads issued at the
+  strip's start, before its operands are built;
 - on a Hopper GPU (``gpu`` marker, skipped elsewhere with the reason): the compiled kernel against the
   reference, its outputs pre-filled with random values that it must add to; the kernel reads q and k as
   given with their scales (`rows.inputs_and_scales`), the reference the rows ``x r``.
@@ -217,6 +218,29 @@ def test_a_bounded_gate_measures_no_span():
     assert "row_span" in measuring and "AllReduce" in measuring
     assert "row_span" not in bounded and "AllReduce" not in bounded
     assert bounded.count("__syncthreads") < measuring.count("__syncthreads")
+
+
+# a read of a strip's memory in the lowered source: dP's elements, or the old rows of the read-add-write
+STRIP_READ = re.compile(r"dP_(qk|kk)\[|=\s*(\*\(float4\*\)\()?(dq_c|dk_c|dG_c)\s*[+\[]")
+
+
+def _strip_reads(text: str) -> set[str]:
+    """The tensors of a strip's memory that `text` reads."""
+    return {f"dP_{m.group(1)}" if m.group(1) else m.group(3) for m in STRIP_READ.finditer(text)}
+
+
+def test_a_strip_reads_its_memory_before_it_builds_its_operands():
+    """Each strip's global reads (its dP rows and columns, its rows of dq_c, dk_c, dG_c) are issued at the
+    strip's start, before its first exponential and its first barrier, so that their latency runs under the
+    operands' exponentials and halves; with a bounded gate nothing reads them later in the strip (the
+    measuring kernel's exact diagonal block reads dP again, in its own branch)."""
+    bounded = runtime.lower(score_backward.build(*QUICK[0], True, True)).kernel_source
+    for source in (bounded, lower(QUICK[0])[0]):
+        strip = source[source.index("for (int s = 0;") :]
+        first_wait = min(strip.index("expf("), strip.index("__syncthreads"))
+        assert _strip_reads(strip[:first_wait]) == {"dP_qk", "dP_kk", "dq_c", "dk_c", "dG_c"}
+    strip = bounded[bounded.index("for (int s = 0;") :]
+    assert _strip_reads(strip[strip.index("expf(") :]) == set()
 
 
 def test_the_product_operands_are_bf16_halves():

@@ -166,14 +166,15 @@ def build(C: int, K: int, dtype: str, l2norm: bool, bounded: bool = False):
             acc_q = T.alloc_fragment((BK, STRIP), f32)  # da (P_qk)^T, before exp(G_i - G_a)
             acc_k = T.alloc_fragment((BK, STRIP), f32)  # da (P_kk)^T
             acc_c = T.alloc_fragment((BK, STRIP), f32)  # db (P_qk + P_kk)^T, before exp(G_e - G_j)
-            # the strip's global reads, issued at its start and used after its operands are built: their
-            # memory latency runs under the exponentials and halves (read where they were used, each was a
-            # wait between barriers; version 14, 3.42 to 3.08 ms at B1_T8192_H96_D128 on an H100, same bits)
-            # dP cut to its causal triangles (what lies above them is not this stage's to read), fp32
+            # A strip's global reads, in registers: issued at the strip's start and used after its operands
+            # are built, so their latency runs under the exponentials and halves (read where they were used,
+            # each was a wait between barriers; version 14, 3.42 to 3.08 ms at B1_T8192_H96_D128 on an H100,
+            # the same bits). dP cut to its causal triangles (what lies above them is not this stage's to
+            # read), as rows and as columns
             dp_q = T.alloc_fragment((STRIP, C), f32)
             dp_k = T.alloc_fragment((STRIP, C), f32)
             dp_c = T.alloc_fragment((2 * C, STRIP), f32)
-            # the strip's rows of dq_c, dk_c, dG_c as the chunk stage wrote them, added to at the end
+            # and the strip's rows of dq_c, dk_c, dG_c as the chunk stage wrote them, added to at the end
             old_q = T.alloc_fragment((STRIP, BK), f32)
             old_k = T.alloc_fragment((STRIP, BK), f32)
             old_G = T.alloc_fragment((STRIP, BK), f32)

@@ -1,12 +1,12 @@
 """The tilelang forward's roundings, replayed in torch on the CPU, against the float64 reference.
 
-    python benchmarks/tilelang_precision.py [--draws 20] [--dtype bfloat16 float16] [--head-dim 128]
+    python benchmarks/tilelang_precision.py [--draws 20] [--dtype bfloat16 float16] [--head-dim 128] [--plan shipped]
 
 The tilelang backend's numbers are checked on a GPU only. This script answers, without one, whether its
 precision plan fits the tolerances: it computes the forward the way `kda/backends/tilelang` does, chunk by
 chunk, with every rounding the kernels make (score operands and stored intermediates in the inputs'
 dtype, the inverse's products on bf16 halves of their fp32 operands, ``T`` rounded before ``w`` and
-``u``, the state's operand rounded each chunk) and every product otherwise exact in fp32, on the verifier's own
+``u``, the state's operand rounded each chunk; two of them switches, `Roundings`) and every product otherwise exact in fp32, on the verifier's own
 random inputs (realistic, extreme and correlated, several chunks and a ragged tail), and prints the relative
 error of ``o`` and of the final state against the float64 reference, beside the tolerance.
 """
@@ -14,8 +14,10 @@ error of ``o`` and of the final state against the float64 reference, beside the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -82,14 +84,47 @@ def span_limit(dtype: torch.dtype, l2norm_in_kernel: bool) -> float:
     return 10.0 if l2norm_in_kernel else -1.0
 
 
-def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """o ``[B, T, H, V]`` and the final state, as the tilelang kernels round them (dense, one head group)."""
+@dataclass(frozen=True)
+class Roundings:
+    """Two of the forward's roundings, as switches (every other one is always made: the stored 16-bit
+    intermediates ``q_e``, ``k_g``, ``w``, ``u``, ``A_qk`` and ``o``, the score operands, the state operand).
+    `rows`: the l2-normalized rows rounded to the inputs' dtype on load, before any use (`intra` does, as the
+    other backends store them). `T_halves`: ``T`` enters ``w = T X`` and ``u = T Y`` as two bf16 halves,
+    where `intra` rounds it once (bf16 inputs only; fp16's rounding of ``T`` is eight times finer)."""
+
+    rows: bool = True
+    T_halves: bool = False
+
+
+SHIPPED = Roundings()
+# without the two: the case where beta reaches 2 passes with a margin (docs/design.md, "Precision, replayed")
+FP32_ROWS_T_HALVES = Roundings(rows=False, T_halves=True)
+PLANS = {"shipped": SHIPPED, "fp32-rows-T-halves": FP32_ROWS_T_HALVES}
+
+
+def sequences(kw: dict) -> list[tuple[int, int, int]]:
+    """``(batch row, start, end)`` of each sequence: the batch's rows, or ``cu_seqlens``' spans of row 0."""
+    B, T = kw["q"].shape[:2]
+    bounds = kw.get("cu_seqlens")
+    if bounds is None:
+        return [(b, 0, T) for b in range(B)]
+    ends = [int(x) for x in bounds.tolist()]
+    return [(0, start, end) for start, end in itertools.pairwise(ends)]
+
+
+def chunk_forward(kw: dict, C: int, roundings: Roundings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """o ``[B, T, HV, V]`` and the final state ``[N, HV, K, V]``, as the tilelang kernels round them
+    (`roundings`: the shipped kernels' by default; dense or varlen, GVA, the state ``[K, V]``)."""
     dtype = kw["q"].dtype
+    plan = roundings or SHIPPED
     q, k, v = kw["q"].float(), kw["k"].float(), kw["v"].float()
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    HV, V = v.shape[-2:]
+    group = HV // H
     if kw.get("use_qk_l2norm_in_kernel", False):
-        q, k = rounded(l2norm(q), dtype), rounded(l2norm(k), dtype)
+        q, k = l2norm(q), l2norm(k)
+        if plan.rows:
+            q, k = rounded(q, dtype), rounded(k, dtype)
     gate = kw.get("use_gate_in_kernel", False)
     a = log_decay(
         kw["g"].float(),
@@ -108,23 +143,26 @@ def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale = kw["scale"] if kw.get("scale") is not None else K**-0.5
     limit = span_limit(dtype, kw.get("use_qk_l2norm_in_kernel", False))
     h0 = kw.get("initial_state")
-    o = torch.zeros(B, T, H, V)
-    final = torch.zeros(B, H, K, V)
-    for b in range(B):
-        for hd in range(H):
-            S = h0[b, hd].float().clone() if h0 is not None else torch.zeros(K, V)
-            for start in range(0, T, C):
-                n = min(C, T - start)
-
-                qc, kc, vc, ac = (chunk_rows(x[b, :, hd], start, C) for x in (q, k, v, a))
+    assert not kw.get("state_v_first"), "the replay keeps the state [K, V]"
+    spans = sequences(kw)
+    o = torch.zeros(B, T, HV, V)
+    final = torch.zeros(len(spans), HV, K, V)
+    index = torch.arange(C)
+    for n, (b, bos, eos) in enumerate(spans):
+        for hv in range(HV):
+            hd = hv // group
+            S = h0[n, hv].float().clone() if h0 is not None else torch.zeros(K, V)
+            for start in range(bos, eos, C):
+                rows = min(C, eos - start)
+                qc, kc = (chunk_rows(x[b, :eos, hd], start, C) for x in (q, k))
+                vc, ac = (chunk_rows(x[b, :eos, hv], start, C) for x in (v, a))
                 G = torch.cumsum(ac, dim=0)  # rows past the end add 0: G flat there
                 bc = torch.zeros(C)
-                bc[:n] = beta[b, start : start + n, hd]
+                bc[:rows] = beta[b, start : start + rows, hv]
                 q_e = rounded(scale * qc * G.exp(), dtype)
                 k_g = rounded(kc * (G[-1] - G).exp(), dtype)
                 A_qk = torch.zeros(C, C)
                 P = torch.zeros(C, C)
-                index = torch.arange(C)
                 for s in range(C // STRIP):
                     a0 = s * STRIP
                     Gs = G[a0 : a0 + STRIP]
@@ -133,7 +171,7 @@ def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
                     decay = (Gs - G[a0]).exp()
                     q_r = rounded(qc[a0 : a0 + STRIP] * decay, dtype)
                     k_r = rounded(kc[a0 : a0 + STRIP] * decay, dtype)
-                    keep = ((index < a0) | ((index < a0 + STRIP) & by_product)) & (index < n)
+                    keep = ((index < a0) | ((index < a0 + STRIP) & by_product)) & (index < rows)
                     cols = torch.where(keep[:, None], rounded(kc * (G[a0] - G).exp(), dtype), 0.0)
                     acc_q, acc_k = cols @ q_r.T, cols @ k_r.T  # [C, 16]
                     for i in range(STRIP):
@@ -149,16 +187,16 @@ def chunk_forward(kw: dict, C: int) -> tuple[torch.Tensor, torch.Tensor]:
                                 A_qk[row, col] = scale * (qc[row] * kd).sum()
                                 P[row, col] = -bc[row] * (kc[row] * kd).sum() if col < row else 0.0
                 Tm = unit_lower_inverse(P)  # the products read N's halves, the diagonal blocks its fp32
-                T_h = rounded(Tm, dtype)
-                w = rounded(T_h @ rounded(bc[:, None] * kc * G.exp(), dtype), dtype)
-                u = rounded(T_h @ rounded(bc[:, None] * vc, dtype), dtype)
+                T_wu = sum(halves(Tm)) if plan.T_halves and dtype == torch.bfloat16 else rounded(Tm, dtype)
+                w = rounded(T_wu @ rounded(bc[:, None] * kc * G.exp(), dtype), dtype)
+                u = rounded(T_wu @ rounded(bc[:, None] * vc, dtype), dtype)
                 A_h = rounded(A_qk, dtype)
                 h_c = rounded(S, dtype)
                 v_new = rounded(u - w @ h_c, dtype)
                 out = rounded(q_e @ h_c + A_h @ v_new, dtype)
-                o[b, start : start + n, hd] = out[:n]
+                o[b, start : start + rows, hv] = out[:rows]
                 S = S * G[-1].exp()[:, None] + k_g.T @ v_new
-            final[b, hd] = S
+            final[n, hv] = S
     return o, final
 
 
@@ -168,6 +206,7 @@ def main() -> int:
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--plan", choices=list(PLANS), default="shipped", help="which roundings (`Roundings`)")
     args = parser.parse_args()
     gates = [(GateMode.SAFE, True), (GateMode.SOFTPLUS, True), (GateMode.PREGATED, False)]
     for dtype in args.dtype:
@@ -186,7 +225,7 @@ def main() -> int:
                     )
                     kwargs, _ = make_inputs(case, "cpu")
                     ref_o, ref_s = kda_reference(**kwargs)[:2]
-                    o, s = chunk_forward(kwargs, args.chunk)
+                    o, s = chunk_forward(kwargs, args.chunk, PLANS[args.plan])
                     errors["o"].append(relative_error(o, ref_o))
                     errors["final_state"].append(relative_error(s, ref_s))
                 line = " ".join(

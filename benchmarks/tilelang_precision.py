@@ -4,11 +4,12 @@
 
 The tilelang backend's numbers are checked on a GPU only. This script answers, without one, whether its
 precision plan fits the tolerances: it computes the forward the way `kda/backends/tilelang` does, chunk by
-chunk, with every rounding the kernels make (score operands and stored intermediates in the inputs'
-dtype, the inverse's products on bf16 halves of their fp32 operands, ``T`` rounded before ``w`` and
-``u``, the state's operand rounded each chunk; two of them switches, `Roundings`) and every product otherwise exact in fp32, on the verifier's own
-random inputs (realistic, extreme and correlated, several chunks and a ragged tail), and prints the relative
-error of ``o`` and of the final state against the float64 reference, beside the tolerance.
+chunk (dense or varlen, GVA), with every rounding the kernels make (score operands and stored
+intermediates in the inputs' dtype, the inverse's products on bf16 halves of their fp32 operands, ``T``
+rounded before ``w`` and ``u``, the state's operand rounded each chunk; two of them are switches,
+`Roundings`) and every product otherwise exact in fp32, on the verifier's own random inputs (realistic,
+extreme and correlated, several chunks and a ragged tail), and prints the relative error of ``o`` and of
+the final state against the float64 reference, beside the tolerance.
 """
 
 from __future__ import annotations

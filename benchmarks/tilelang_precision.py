@@ -113,18 +113,17 @@ def sequences(kw: dict) -> list[tuple[int, int, int]]:
     return [(0, start, end) for start, end in itertools.pairwise(ends)]
 
 
-def chunk_forward(kw: dict, C: int, roundings: Roundings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_forward(kw: dict, C: int, roundings: Roundings = SHIPPED) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[N, HV, K, V]``, as the tilelang kernels round them
-    (`roundings`: the shipped kernels' by default; dense or varlen, GVA, the state ``[K, V]``)."""
+    (`roundings`, the shipped kernels' by default; dense or varlen, GVA, the state ``[K, V]``)."""
     dtype = kw["q"].dtype
-    plan = roundings or SHIPPED
     q, k, v = kw["q"].float(), kw["k"].float(), kw["v"].float()
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     group = HV // H
     if kw.get("use_qk_l2norm_in_kernel", False):
         q, k = l2norm(q), l2norm(k)
-        if plan.rows:
+        if roundings.rows:
             q, k = rounded(q, dtype), rounded(k, dtype)
     gate = kw.get("use_gate_in_kernel", False)
     a = log_decay(
@@ -188,7 +187,7 @@ def chunk_forward(kw: dict, C: int, roundings: Roundings | None = None) -> tuple
                                 A_qk[row, col] = scale * (qc[row] * kd).sum()
                                 P[row, col] = -bc[row] * (kc[row] * kd).sum() if col < row else 0.0
                 Tm = unit_lower_inverse(P)  # the products read N's halves, the diagonal blocks its fp32
-                T_wu = sum(halves(Tm)) if plan.T_halves and dtype == torch.bfloat16 else rounded(Tm, dtype)
+                T_wu = sum(halves(Tm)) if roundings.T_halves and dtype == torch.bfloat16 else rounded(Tm, dtype)
                 w = rounded(T_wu @ rounded(bc[:, None] * kc * G.exp(), dtype), dtype)
                 u = rounded(T_wu @ rounded(bc[:, None] * vc, dtype), dtype)
                 A_h = rounded(A_qk, dtype)

@@ -5,9 +5,8 @@
 The tilelang backend's numbers are checked on a GPU only. This script answers, without one, whether its
 precision plan fits the tolerances: it computes the forward the way `kda/backends/tilelang` does, chunk by
 chunk (dense or varlen, GVA), with every rounding the kernels make (score operands and stored
-intermediates in the inputs' dtype, the inverse's products on bf16 halves of their fp32 operands, ``T``
-rounded before ``w`` and ``u``, the state's operand rounded each chunk; two of them are switches,
-`Roundings`) and every product otherwise exact in fp32, on the verifier's own random inputs (realistic,
+intermediates in the inputs' dtype, the inverse's products on bf16 halves of their fp32 operands, the
+state's operand rounded each chunk; two more are switches, `Roundings`, off in the shipped kernels) and every product otherwise exact in fp32, on the verifier's own random inputs (realistic,
 extreme and correlated, several chunks and a ragged tail), and prints the relative error of ``o`` and of
 the final state against the float64 reference, beside the tolerance.
 """
@@ -97,10 +96,11 @@ class Roundings:
     T_halves: bool = False
 
 
-SHIPPED = Roundings()
-# without the two: the case where beta reaches 2 passes with a margin (docs/design.md, "Precision, replayed")
-FP32_ROWS_T_HALVES = Roundings(rows=False, T_halves=True)
-PLANS = {"shipped": SHIPPED, "fp32-rows-T-halves": FP32_ROWS_T_HALVES}
+# version 15: without the two, the case where beta reaches 2 passes with a margin (docs/design.md, "Where
+# beta reaches 2, the forward sits at its tolerance")
+SHIPPED = Roundings(rows=False, T_halves=True)
+VERSION_14 = Roundings()  # the rows rounded on load, T rounded once: the H100's miss on that case
+PLANS = {"shipped": SHIPPED, "version-14": VERSION_14}
 
 
 def sequences(kw: dict) -> list[tuple[int, int, int]]:

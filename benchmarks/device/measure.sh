@@ -63,7 +63,8 @@
 #                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) -> kernels.ncu-rep, details.txt
 #                (every section as text), sass.csv (stall samples per instruction) and phases.txt (those samples
 #                between barriers: benchmarks/ncu_phases.py); the counters need a Firecracker machine
-#   tune-helion  `kda.bench --tune-kernels helion` at SHAPES (fwd and train_safe) within HELION_TUNE_S seconds
+#   tune-helion  `kda.bench --tune-kernels helion` at SHAPES in HELION_TUNE_MODES (default fwd and train_safe)
+#                within HELION_TUNE_S seconds
 #                (default 200) -> tune-helion/tuned_sm90.json, which the targets after it in the same run use
 #                (KDA_HELION_CONFIGS); copy it over kda/backends/helion/tuned_sm90.json to ship it
 #   tune-fla     in the background, while the targets after it run: FLA alone at SHAPES in MODES, once, so
@@ -119,6 +120,7 @@ fi
   python3 -c "import kda; print(\"kda\", kda.__version__)"; } > "$OUT/env.txt" 2>&1
 
 shape_args() { for shape in "$@"; do printf -- '--shape %s ' "$shape"; done; }
+mode_args() { for mode in "$@"; do printf -- '--mode %s ' "$mode"; done; }
 bench() {  # NAME RESERVE [kda.bench arguments]
   local name=$1 reserve=$2; shift 2
   mkdir -p "$OUT/$name"
@@ -277,7 +279,7 @@ for target in "$@"; do
     cp kda/backends/helion/tuned_sm90.json "$OUT/tune-helion/tuned_sm90.json"  # the tuner adds to the shipped entries
     # shellcheck disable=SC2046
     timeout "$(left 20)" python3 -m kda.bench --tune-kernels helion --tune-budget-s "${HELION_TUNE_S:-200}" \
-      --table "$OUT/tune-helion/tuned_sm90.json" $(shape_args $SHAPES) > "$OUT/tune-helion/log.txt" 2>&1
+      --table "$OUT/tune-helion/tuned_sm90.json" $(shape_args $SHAPES) $(mode_args ${HELION_TUNE_MODES:-}) > "$OUT/tune-helion/log.txt" 2>&1
     echo "tune-helion: exit $?"; grep -v -i warn "$OUT/tune-helion/log.txt" | tail -40
     [ -f "$OUT/tune-helion/tuned_sm90.json" ] && export KDA_HELION_CONFIGS="$OUT/tune-helion/tuned_sm90.json"
     ;;

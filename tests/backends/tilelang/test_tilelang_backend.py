@@ -135,6 +135,20 @@ def test_the_inverse_multiplies_bf16_halves_on_wgmma(lowered, dtype):
         assert any(f"(bfloat16_t*){operand})[0]" in line for line in descriptors), operand
 
 
+def test_inference_keeps_the_normalized_rows_and_T_in_fp32_where_bf16_would_miss(lowered):
+    """Where beta reaches 2, version 14's bf16 forward sat at its tolerance (`docs/design.md`, "Where beta
+    reaches 2"): at inference `intra` now scales each raw row by its fp32 reciprocal norm where it uses the
+    row, instead of rounding the normalized row once on load, and gives ``T`` to ``w`` and ``u`` as two bf16
+    halves (two more products than fp16's, whose single rounding of ``T`` is eight times finer)."""
+    bf16 = kernels_of(lowered, (64, 128, "bfloat16"))["intra"][0]
+    fp16 = kernels_of(lowered, (64, 128, "float16"))["intra"][0]
+    wgmma = r"tl::wgmma_ss<"
+    assert len(re.findall(wgmma, bf16)) == len(re.findall(wgmma, fp16)) + 2
+    for source in (bf16, fp16):
+        reads = [line for line in source.splitlines() if "n_k)[" in line and "rsqrtf" not in line]
+        assert len(reads) >= 3, "the keys' reciprocal norms are read once: the rows were normalized on load"
+
+
 @pytest.mark.parametrize("what", [(64, 128, "bfloat16"), "sigmoid-varlen-gva-nostate"])
 def test_the_key_head_is_computed_once(lowered, what):
     """``h = hv // (HV / H)`` with symbolic head counts: written as an expression, TileLang inlined it into

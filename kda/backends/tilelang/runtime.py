@@ -62,7 +62,10 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+@functools.lru_cache(maxsize=1)
 def tilelang_version() -> str:
+    """The installed tilelang's version, read once: it is part of the backend's fingerprint, which the
+    verification store reads on every call (reading package metadata costs a fraction of a millisecond)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -219,6 +219,24 @@ def test_another_config_table_is_another_fingerprint(tmp_path, monkeypatch):
     assert backend.fingerprint_extras()["configs"] == shipped  # named but absent: the shipped tables alone
 
 
+def test_the_fingerprint_reads_the_package_metadata_once(monkeypatch):
+    """The verification store asks for the backend's fingerprint on every call; the installed helion's
+    version in it is read from the package metadata once (0.6 ms a read on a CPU), not per call."""
+    import importlib.metadata
+
+    from kda.backends.helion import runtime
+
+    reads = []
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: reads.append(name) or real(name))
+    runtime.helion_version.cache_clear()
+    backend = kda.get_backend("helion")
+    first = backend.fingerprint_extras()
+    for _ in range(5):
+        assert backend.fingerprint_extras() == first
+    assert reads == ["helion"]
+
+
 def test_an_entry_is_not_carried_across_storage_widths(tmp_path, monkeypatch):
     """A 16-bit (inference) entry does not configure the fp32 variant of its kernel, nor the reverse."""
     table = tmp_path / "table.json"

@@ -13,15 +13,21 @@ in float64 arithmetic, with each rounding a switch (`ROUNDINGS`; `SHIPPED` is th
 in turn; a few combinations; none) it prints ``dA_log``'s relative error against the float64 reference
 (autograd through `kda.reference`), beside the tolerance, and the worst of the other gradients.
 
+It takes dense and varlen calls (``cu_seqlens``: each sequence chunked from its own start, its last chunk
+ragged, its own initial and final state) and GVA (value head ``hv`` reads q/k head ``hv // group``, and
+``dq``, ``dk`` sum over the group's value heads), with or without the l2norm, any beta, chunk 32 or 64.
+
 With no rounding the replay is the exact chain rule of the chunked algorithm, so it must equal the
-reference to ~1e-12 (``--check`` asserts it; the test in tests/benchmarks/ does too): what proves the
-replay. Where a gate meets the log-decay floor (the extreme sigmoid, softplus and pre-gated draws) the
-replay follows the backends (a zero gradient there), so its unrounded error is the floor's, not zero.
+reference to ~1e-12 (``--check`` asserts it on the realistic draws, and on the same seeds' draws of each
+class's varlen and GVA twins; the tests in tests/benchmarks/ do too): what proves the replay. Where a gate
+meets the log-decay floor (the extreme sigmoid, softplus and pre-gated draws) the replay follows the
+backends (a zero gradient there), so its unrounded error is the floor's, not zero.
 
 The draws are the verifier's own cases (`kda.verify.cases.cases_for`), fresh random seeds each run: by default
-the realistic case (4C + 13 tokens, B = 2, two heads) and the extreme one (3C - 5 tokens); `--regime` also
-takes the correlated case and the variant (one partial chunk of C - 3 tokens, V = K / 2), where a sequence's
-first ``h`` is its initial state and its rounding (``h_first``) is most of ``dA_log``'s error.
+the realistic case (4C + 13 tokens, B = 2, two heads; varlen: sequences of 4C + 13, C - 5 and 17 tokens in
+one row) and the extreme one (3C - 5 tokens); `--regime` also takes the correlated case and the variant (one
+partial chunk of C - 3 tokens, V = K / 2), where a sequence's first ``h`` is its initial state and its
+rounding (``h_first``) is most of ``dA_log``'s error.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the forward replay's helpers, beside this file
 
-from tilelang_precision import STRIP, chunk_rows, span_limit, unit_lower_inverse
+from tilelang_precision import STRIP, chunk_rows, sequences, span_limit, unit_lower_inverse
 
 from kda.reference import L2NORM_EPS, LOG_DECAY_FLOOR, beta_transform, kda_reference, log_decay
 from kda.spec import CaseClass
@@ -227,11 +233,12 @@ def reference_gradients(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor
 
 
 def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozenset[str]) -> dict[str, torch.Tensor]:
-    """The tilelang backward's gradients of a dense call, with the roundings `on` (names of `ROUNDINGS`)
-    and every other operation exact (float64)."""
+    """The tilelang backward's gradients of a call (dense or varlen, GVA), with the roundings `on` (names of
+    `ROUNDINGS`) and every other operation exact (float64). Each sequence (a batch row, or a span of
+    ``cu_seqlens`` in row 0) is chunked from its own start, its last chunk ragged, and has its own state per
+    value head; value head ``hv`` reads q/k head ``hv // group``, whose ``dq``, ``dk`` sum over the group."""
     unknown = on - VERSION_5
     assert not unknown, f"unknown roundings {sorted(unknown)}"
-    assert kwargs.get("cu_seqlens") is None, "dense calls only"
     dtype = kwargs["q"].dtype
     q_in, k_in, v = (kwargs[name].to(F64) for name in ("q", "k", "v"))
     B, T, H, K = q_in.shape
@@ -302,21 +309,23 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
     dq_hat, dk_hat = torch.zeros(B, T, H, K, dtype=F64), torch.zeros(B, T, H, K, dtype=F64)
     dv, dbeta_hat = torch.zeros(B, T, HV, V, dtype=F64), torch.zeros(B, T, HV, dtype=F64)
     da = torch.zeros(B, T, HV, K, dtype=F64)
-    dh0 = torch.zeros(B, HV, K, V, dtype=F64)
-    for b in range(B):
+    spans = sequences(kwargs)
+    dh0 = torch.zeros(len(spans), HV, K, V, dtype=F64)
+    for seq, (b, bos, eos) in enumerate(spans):
         for hv in range(HV):
             hk = hv // group
-            # the training forward: what `intra` and `state` save, chunk by chunk
+            # the training forward: what `intra` and `state` save, chunk by chunk from the sequence's start
+            # (rows past its end read as zeros)
             saved = []
-            S = h0[b, hv].clone() if h0 is not None else torch.zeros(K, V, dtype=F64)
-            for start in range(0, T, C):
-                n = min(C, T - start)
-                qc, kc = chunk_rows(q_hat[b, :, hk], start, C), chunk_rows(k_hat[b, :, hk], start, C)
-                vc, ac = chunk_rows(v[b, :, hv], start, C), chunk_rows(a[b, :, hv], start, C)
-                bc = chunk_rows(beta[b, :, hv, None], start, C)[:, 0]
+            S = h0[seq, hv].clone() if h0 is not None else torch.zeros(K, V, dtype=F64)
+            for start in range(bos, eos, C):
+                n = min(C, eos - start)
+                qc, kc = chunk_rows(q_hat[b, :eos, hk], start, C), chunk_rows(k_hat[b, :eos, hk], start, C)
+                vc, ac = chunk_rows(v[b, :eos, hv], start, C), chunk_rows(a[b, :eos, hv], start, C)
+                bc = chunk_rows(beta[b, :eos, hv, None], start, C)[:, 0]
                 G = torch.cumsum(ac, dim=0)  # flat past the end
                 D = decays(G, strict=False)
-                q_s, k_s = chunk_rows(q_sc[b, :, hk], start, C), chunk_rows(k_sc[b, :, hk], start, C)
+                q_s, k_s = chunk_rows(q_sc[b, :eos, hk], start, C), chunk_rows(k_sc[b, :eos, hk], start, C)
                 if "scores" in on:
                     A_qk_f, M = strip_scores(q_s, k_s, G, n, scale, dtype, limit)
                 else:
@@ -334,7 +343,7 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                 q_e_f, k_g_f = scale * qc * G.exp(), kc * (G[-1] - G).exp()
                 q_e, k_g = rnd(q_e_f, dtype, "q_e" in on), rnd(k_g_f, dtype, "k_g" in on)
                 # a sequence's first h is its initial state (fp32, or zero), which the backward can read as given
-                h_rounded = "h" in on if start else "h_first" in on
+                h_rounded = "h" in on if start > bos else "h_first" in on
                 h_op, h_saved = rnd(S, dtype, "state_op" in on), rnd(S, dtype, h_rounded)
                 v_new = rnd(u - w @ h_op, dtype, "v_new" in on)
                 S = S * G[-1].exp()[:, None] + k_g.T @ v_new
@@ -345,7 +354,7 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                         q=qc,
                         k=kc,
                         v=vc,
-                        do=chunk_rows(do[b, :, hv], start, C),
+                        do=chunk_rows(do[b, :eos, hv], start, C),
                         G=G,
                         D=D,
                         beta=bc,
@@ -362,12 +371,12 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
                     )
                 )
             # state_backward: the reverse pass
-            dS = dht[b, hv].clone() if dht is not None else torch.zeros(K, V, dtype=F64)
+            dS = dht[seq, hv].clone() if dht is not None else torch.zeros(K, V, dtype=F64)
             for s in reversed(saved):
                 s["dh"] = dS
                 s["dv_new"] = op(s["A_qk"]).T @ s["do"] + op(s["k_g"]) @ op(dS)
                 dS = s["G"][-1].exp()[:, None] * dS + op(s["q_e"]).T @ s["do"] - op(s["w"]).T @ op(s["dv_new"])
-            dh0[b, hv] = dS
+            dh0[seq, hv] = dS
             for s in saved:
                 G, bc, qc, kc, vc, Tm, h = s["G"], s["beta"], s["q"], s["k"], s["v"], s["T"], s["h"]
                 dvn, dh, q_e, k_g = s["dv_new"], s["dh"], s["q_e_dG"], s["k_g_dG"]
@@ -430,6 +439,13 @@ def replay(kwargs: dict[str, Any], upstream: dict[str, torch.Tensor], on: frozen
     return grads
 
 
+def twins(key: str) -> list[str]:
+    """`key`'s class with varlen calls and with GVA (where it has neither): what ``--check`` also asserts."""
+    case_class = CaseClass.from_key(key)
+    keys = [case_class.model_copy(update={"varlen": True}).key, case_class.model_copy(update={"gva": True}).key]
+    return [twin for twin in keys if twin != key]
+
+
 def errors_of(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: relative_error(grads[name], ref[name]) for name in ref}
 
@@ -440,7 +456,9 @@ REGIMES = ("realistic", "correlated", "extreme", "variant")  # the verifier's fo
 def draw(key: str, regime: str, seed: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The verifier's inputs for `key`'s case of that name (`kda.verify.cases.cases_for`, B = 2, H = 2): the
     realistic and correlated ones (4C + 13 tokens), the extreme one (3C - 5) and the variant (C - 3 tokens, a
-    single partial chunk, V = K / 2, ``g`` in fp32, a per-column ``dt_bias``)."""
+    single partial chunk, V = K / 2, ``g`` in fp32, a per-column ``dt_bias``). A varlen class packs its
+    sequences in one row (B = 1, ``cu_seqlens``; the cases' lengths), a GVA class has two value heads a q/k
+    head."""
     cases = cases_for(CaseClass.from_key(key), quick=False)
     return make_inputs(replace(cases[REGIMES.index(regime)], seed=seed), "cpu")
 
@@ -454,7 +472,11 @@ def main() -> int:
         "--config", nargs="+", default=None, help="roundings to keep exact in turn, a+b together (default each one)"
     )
     parser.add_argument("--seed", type=int, nargs="+", default=None, help="these seeds rather than random ones")
-    parser.add_argument("--check", action="store_true", help="assert the unrounded replay is exact (realistic)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="assert the unrounded replay is exact (realistic; also the class's varlen and GVA twins, same seed)",
+    )
     args = parser.parse_args()
     unknown = [part for name in args.config or () for part in name.split("+") if part not in ROUNDINGS]
     if unknown:
@@ -473,6 +495,14 @@ def main() -> int:
                 exact = errors["all exact"][-1]
                 if args.check and regime == "realistic":
                     assert max(exact.values()) < 1e-10, (key, seed, exact)
+                    for twin in twins(key):
+                        twin_kwargs, twin_upstream = draw(twin, regime, seed)
+                        twin_exact = errors_of(
+                            replay(twin_kwargs, twin_upstream, frozenset()),
+                            reference_gradients(twin_kwargs, twin_upstream),
+                        )
+                        assert max(twin_exact.values()) < 1e-10, (twin, seed, twin_exact)
+                        print(f"  checked {twin} seed {seed}: unrounded {max(twin_exact.values()):.1e}", flush=True)
             print(f"\n{key} {regime} seeds {seeds}", flush=True)
             for label, _ in configs:
                 per_draw = errors[label]

@@ -12,8 +12,9 @@ TB/s copy rate. An upper bound where a kernel reads part of a tensor (the state 
 row of each chunk) or gets a placeholder, a lower one where it reads a tile again (``scores`` reads each
 chunk's columns once per strip). Then the whole call: by an event pair around it, and as the bench times it
 (`kda.bench.timing.median_ms`), so that time outside the launches shows beside their sum in one process
-(on an H100 a training call at B4_T2048_H16_D128 was its launches: 7.82 ms, their sum 8.22). ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so
-that an illegal memory access names the kernel that made it. ``--case KEY`` runs a verification class's own
+(on an H100 a training call at B4_T2048_H16_D128 was its launches: 7.82 ms, their sum 8.22).
+``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so that an illegal
+memory access names the kernel that made it. ``--case KEY`` runs a verification class's own
 cases instead (`kda.verify.check.run_case`: its inputs, sizes and seeds, printed first), with the backend's
 head-dim limit for training lifted: how a class the backend declines because a kernel faulted there is
 brought back to the fault.

@@ -6,9 +6,10 @@ The tilelang backend's numbers are checked on a GPU only. This script answers, w
 precision plan fits the tolerances: it computes the forward the way `kda/backends/tilelang` does, chunk by
 chunk (dense or varlen, GVA), with every rounding the kernels make (score operands and stored
 intermediates in the inputs' dtype, the inverse's products on bf16 halves of their fp32 operands, the
-state's operand rounded each chunk; two more are switches, `Roundings`, off in the shipped kernels) and every product otherwise exact in fp32, on the verifier's own random inputs (realistic,
-extreme and correlated, several chunks and a ragged tail), and prints the relative error of ``o`` and of
-the final state against the float64 reference, beside the tolerance.
+state's operand rounded each chunk; two more are switches, `Roundings`, off in the shipped kernels) and
+every product otherwise exact in fp32, on the verifier's own random inputs (realistic, extreme and
+correlated, several chunks and a ragged tail), and prints the relative error of ``o`` and of the final
+state against the float64 reference, beside the tolerance.
 """
 
 from __future__ import annotations

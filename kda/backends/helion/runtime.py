@@ -49,7 +49,7 @@ def helion_problem() -> str | None:
 @functools.lru_cache(maxsize=1)
 def helion_version() -> str:
     """The installed helion's version, read once: the verification store asks for it on every call (it is
-    part of the backend's fingerprint), and reading the package metadata took 0.6 ms a call on a CPU."""
+    part of the backend's fingerprint), and reading the package metadata took 0.6 ms a read on a CPU."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

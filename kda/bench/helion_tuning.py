@@ -148,9 +148,9 @@ def tune(shapes: list[str], modes: list[str], budget_s: float, out: Path | None,
             log(f"recorded {len(recorded)} launches at {shape} {mode} ({time.monotonic() - began:.0f} s so far)")
             for launch in recorded:
                 fn, _, _, key = launch
-                entry_key = {"K": key.K, "V": key.V, "C": key.C, "half": key.half}
+                entry_key = configs.entry_key(key)
                 known = table.get(fn.__name__, []) + [e for (f, *_), _s, _m, e in pending if f.__name__ == fn.__name__]
-                if not any({k: e[k] for k in entry_key} == entry_key for e in known):
+                if not any(configs.matches(e, key, chunk=True) for e in known):
                     pending.append((launch, shape, mode, entry_key))  # not tuned yet, nor twice in one call
     defaults = [default_of(launch, device) for launch, *_ in pending]
     order = sorted(range(len(pending)), key=lambda i: -defaults[i][1])  # the slowest first

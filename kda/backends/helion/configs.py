@@ -3,19 +3,24 @@
 Nothing is autotuned at call time. Each kernel's configuration comes from a table shipped in the package
 (``tuned_<arch>.json``, e.g. ``tuned_sm90.json``, measured on an H200) or from the file named by
 ``KDA_HELION_CONFIGS`` (same format; `kda.bench --tune-kernels helion` writes one), keyed by what changes
-the best configuration: the head dims ``K`` and ``V``, the chunk size, whether intermediates are half or
-fp32 (inference or training/fp32 inputs). An unseen shape takes the nearest entry of the same head dims
-and storage width (a differing chunk size is allowed); a kernel with no such entry, or whose entry Helion
+the best configuration: the head dims ``K`` and ``V``, the chunk size, and the storage: intermediates in
+bf16/fp16 (``half``: inference on half inputs), in fp32 (fp32 inputs), or fp32 with ``w`` and ``A_qk`` as
+bf16 halves (``halves``: training on half inputs, whose serial passes multiply on halves). An unseen shape
+takes the nearest entry of the same head dims and storage (a differing chunk size is allowed); a kernel with no such entry, or whose entry Helion
 rejects, runs Helion's default configuration, with one warning per kernel and architecture. Entries are
 not carried across head dims: block sizes and stages are sized for them, and on the H200 a class at d256
-that passed with the default configurations failed with the entries tuned at 128. Nor across storage
-widths: the fp32 variant of a kernel is another program (fp32 operands, three TF32 products each), and
+that passed with the default configurations failed with the entries tuned at 128. Nor across storage:
+the fp32 variant of a kernel is another program (fp32 operands, three TF32 products each), and
 `state`'s inference entry compiled for training takes 229 KB of shared memory and spills 2.5 KB a thread
 where Helion's own H200 default takes 147 KB and spills 2.0 KB, on twice the blocks
 (``benchmarks/helion_resources.py``).
 
+An fp32 call's serial passes multiply fp32
+operands (IEEE), a half-input training call's bf16 halves: an entry for one is not used by the other.
+
 Table format: ``{"kernel name": [{"K": 128, "V": 128, "C": 64, "half": true, "config": {...}}, ...]}``,
-``config`` being `helion.Config`'s keyword arguments.
+``config`` being `helion.Config`'s keyword arguments; ``"halves": true`` marks an entry for training on half
+inputs (absent: false).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class ShapeKey:
     V: int
     C: int
     half: bool  # intermediates stored in bf16/fp16 (inference on half inputs)
+    halves: bool = False  # training on half inputs: w and A_qk as bf16 halves (`forward.training_halves`)
 
 
 def shipped_table_path(arch: str) -> Path:
@@ -69,7 +75,8 @@ def _well_formed(entry: object) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
         return False
     dims = [entry.get(key) for key in ("K", "V", "C")]
-    return all(isinstance(d, int) and d > 0 for d in dims) and isinstance(entry.get("half"), bool)
+    storage = isinstance(entry.get("half"), bool) and isinstance(entry.get("halves", False), bool)
+    return all(isinstance(d, int) and d > 0 for d in dims) and storage
 
 
 def table(arch: str) -> dict[str, list[dict[str, Any]]]:
@@ -111,10 +118,21 @@ def _digest(files: tuple[tuple[str, float], ...]) -> str:
     return digest.hexdigest()[:12]
 
 
+def entry_key(key: ShapeKey) -> dict[str, Any]:
+    """What a table entry records of `key` (``halves`` only where true, as the tables written before it)."""
+    return {"K": key.K, "V": key.V, "C": key.C, "half": key.half} | ({"halves": True} if key.halves else {})
+
+
+def matches(entry: dict[str, Any], key: ShapeKey, *, chunk: bool = False) -> bool:
+    """Whether table entry `entry` is for `key`'s head dims and storage (and its chunk size, with `chunk`)."""
+    storage = (entry["half"], entry.get("halves", False)) == (key.half, key.halves)
+    return (entry["K"], entry["V"]) == (key.K, key.V) and storage and (not chunk or entry["C"] == key.C)
+
+
 def nearest(name: str, key: ShapeKey) -> dict[str, Any] | None:
-    """The configuration of the entry for kernel `name` at `key`'s head dims and storage width, its own chunk
-    size first, or None without one."""
-    entries = [e for e in table(key.arch).get(name, []) if (e["K"], e["V"], e["half"]) == (key.K, key.V, key.half)]
+    """The configuration of the entry for kernel `name` at `key`'s head dims and storage, its own chunk size
+    first, or None without one."""
+    entries = [entry for entry in table(key.arch).get(name, []) if matches(entry, key)]
     if not entries:
         return None
     return min(entries, key=lambda entry: entry["C"] != key.C)["config"]
@@ -163,6 +181,6 @@ def choose(name: str, key: ShapeKey, bound: Any) -> Any:
                 problem = f"{type(error).__name__}: {error}"
         fall_back(name, key, f"its table entry does not fit: {problem}")
     else:
-        width = "16-bit" if key.half else "fp32"
+        width = "16-bit" if key.half else "fp32, w and A_qk as bf16 halves," if key.halves else "fp32"
         fall_back(name, key, f"no table entry at K={key.K}, V={key.V} with {width} intermediates")
     return bound.config_spec.default_config()

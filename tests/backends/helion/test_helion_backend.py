@@ -246,6 +246,24 @@ def test_an_entry_is_not_carried_across_storage_widths(tmp_path, monkeypatch):
     assert configs.nearest("j", configs.ShapeKey("cpu", 64, 64, 64, True)) is None
 
 
+def test_a_halves_entry_serves_half_input_training_alone(tmp_path, monkeypatch):
+    """Training on half inputs (``w`` and ``A_qk`` as bf16 halves) and fp32 calls both keep fp32
+    intermediates but run other programs: an entry marked ``halves`` configures only the first, one
+    without the mark only the second."""
+    table = tmp_path / "table.json"
+    halves = dict(_entry(128, 128, 64, False, 4), halves=True)
+    table.write_text(json.dumps({"k": [halves], "j": [_entry(128, 128, 64, False, 8)]}))
+    monkeypatch.setenv(configs.TABLE_ENV, str(table))
+    training = configs.ShapeKey("cpu", 128, 128, 64, False, halves=True)
+    fp32 = configs.ShapeKey("cpu", 128, 128, 64, False)
+    assert configs.nearest("k", training) == {"num_warps": 4}
+    assert configs.nearest("k", fp32) is None
+    assert configs.nearest("j", fp32) == {"num_warps": 8}
+    assert configs.nearest("j", training) is None
+    assert configs.entry_key(training) == {"K": 128, "V": 128, "C": 64, "half": False, "halves": True}
+    assert "halves" not in configs.entry_key(fp32)
+
+
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", json.dumps({"k": [{"K": "x"}, 5]})])
 def test_a_broken_table_is_ignored_with_a_warning_or_its_bad_entries_dropped(tmp_path, monkeypatch, text):
     table = tmp_path / "table.json"

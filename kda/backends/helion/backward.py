@@ -46,7 +46,7 @@ def helion_backward(
         layout.chunk_starts, layout.chunk_seq_ends, layout.chunk_bounds,
         dfinal_state if dfinal_state is not None else placeholder,
         dh, dv_new, dh0 if dh0 is not None else placeholder,
-        spec.scale, plan.group, C, dfinal_state is not None, dh0 is not None, spec.state_v_first, L2,
+        spec.scale, plan.group, C, dfinal_state is not None, dh0 is not None, spec.state_v_first, L2, plan.halves,
     )  # fmt: skip
 
     # Each buffer is made when its stage comes and dropped once read: the gradients of the inputs after

@@ -7,14 +7,16 @@ Intermediates are chunk-major (``[NT, HV, C, ...]``, a tail chunk's rows past it
 later stage reads a chunk as one dense tile: ``G [NT, HV, C, K]``, ``M`` and ``T [NT, HV, C, C]`` in
 fp32; ``w [NT, HV, C, K]``, ``u``/``v_new [NT, HV, C, V]``, ``A_qk [NT, HV, C, C]`` and ``h [NT, HV, K,
 V]`` in the storage dtype (the inputs' dtype at inference, fp32 when training or for fp32 inputs); with
-the l2norm, each row's scale ``r`` (``rstd_q``, ``rstd_k [tokens, H]`` fp32). The normalized rows (``r
-x``) are never stored: each stage scales the rows it loads. ``q_e = scale q exp(G)`` and ``k_g = k
-exp(G_last - G)`` (``[NT, HV, C, K]``) are stored at inference only, where they are 16-bit and freed once
-read; in training, where they would be fp32 and kept for the backward (two ``[tokens, HV, K]`` fp32
-tensors of the call's peak), each kernel that multiplies by them makes them from q, k and ``G``. At
-inference the state pass reads ``k_g`` rather than make it: made there, its ``[C, K]`` rows of ``k`` and
-``G`` spill 232 bytes a thread at the H200's configuration (compiled for sm_90a,
-`benchmarks/helion_resources.py`), where the pass reading it spills none.
+the l2norm, each row's scale ``r`` (``rstd_q``, ``rstd_k [tokens, H]`` fp32). Training on bf16/fp16 inputs
+keeps ``w`` and ``A_qk``, what the two serial passes multiply, as bf16 halves ``[NT, HV, 2, C, ...]``
+instead (`training_halves`: fp32's bytes). The normalized rows (``r x``) are never stored: each stage
+scales the rows it loads. ``q_e = scale q exp(G)`` and ``k_g = k exp(G_last - G)`` (``[NT, HV, C, K]``)
+are stored at inference only, where they are 16-bit and freed once read; in training, where they would be
+fp32-sized and kept for the backward (two ``[tokens, HV, K]`` fp32 tensors of the call's peak, past FLA's
+at B4_T2048_H16_D128), each kernel that multiplies by them makes them from q, k and ``G`` (the serial
+passes on halves split them in registers). At inference the state pass reads ``k_g`` rather than make it:
+made there, its ``[C, K]`` rows of ``k`` and ``G`` spill 232 bytes a thread at the H200's configuration
+(compiled for sm_90a, `benchmarks/helion_resources.py`), where the pass reading it spills none.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Plan:
     layout: ChunkLayout
     key: ShapeKey
     store: torch.dtype  # the storage dtype of the intermediates
+    halves: bool  # training on 16-bit inputs: w and A_qk stored as bf16 halves (`training_halves`)
     precision: str  # Helion's dot_precision for every product but the output's: "ieee", "tf32x3" or "tf32"
     group: int  # HV // H
 
@@ -55,6 +58,15 @@ class Plan:
 def storage_dtype(spec: KDASpec) -> torch.dtype:
     """The inputs' dtype at inference; fp32 for fp32 inputs and whenever the backward will read them."""
     return torch.float32 if spec.requires_grad or spec.dtype == torch.float32 else spec.dtype
+
+
+def training_halves(spec: KDASpec) -> bool:
+    """Training on bf16/fp16 inputs stores ``w`` and ``A_qk`` as bf16 halves ``[NT, HV, 2, C, ...]`` (``hi =
+    bf16(x)``, ``lo = bf16(x - hi)``: fp32's bytes, fp32's range, 16 significant bits), and both serial
+    passes multiply on halves (`state`, `state_backward`). Always bf16: fp16 halves could overflow. fp32
+    calls keep fp32 and IEEE products: halves' worst ``dA_log`` measured on the triton backend's kernels
+    (1.75e-3 with halves in the backward alone) is past fp32's tolerance of 1e-3."""
+    return spec.requires_grad and spec.dtype != torch.float32
 
 
 def dot_precision(spec: KDASpec) -> str:
@@ -89,9 +101,10 @@ def arch(device: torch.device) -> str:
 
 def make_plan(inputs: KDAInputs, spec: KDASpec) -> Plan:
     store = storage_dtype(spec)
-    key = ShapeKey(arch(spec.device), spec.K, spec.V, spec.chunk_size, store != torch.float32)
+    halves = training_halves(spec)
+    key = ShapeKey(arch(spec.device), spec.K, spec.V, spec.chunk_size, store != torch.float32, halves)
     layout = chunk_layout(sequence_bounds(inputs, spec), spec.chunk_size, spec.device)
-    return Plan(layout, key, store, dot_precision(spec), spec.HV // spec.H)
+    return Plan(layout, key, store, halves, dot_precision(spec), spec.HV // spec.H)
 
 
 def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = None) -> ForwardResult:
@@ -113,6 +126,12 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     def empty(*shape: int, dtype: torch.dtype = store) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=device)
 
+    def operand(*shape: int) -> torch.Tensor:
+        """``w`` or ``A_qk`` (``[NT, HV, C, D]``): in the storage dtype, or as bf16 halves ``[NT, HV, 2, C, D]``."""
+        if plan.halves:
+            return empty(*shape[:2], 2, *shape[2:], dtype=torch.bfloat16)
+        return empty(*shape)
+
     # The intermediates by name. Stages read them from here (no other reference is kept), so that at
     # inference `release` frees them; training hands them all to the backward.
     q, k = inputs.q.reshape(tokens, H, K), inputs.k.reshape(tokens, H, K)
@@ -130,7 +149,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
             run(normalize.normalize_kernel, q, k, kept["rstd_q"], kept["rstd_k"])
 
     kept.update(G=empty(NT, HV, C, K, dtype=f32), beta=empty(NT, HV, C, dtype=f32))
-    kept.update(M=empty(NT, HV, C, C, dtype=f32), A_qk=empty(NT, HV, C, C))
+    kept.update(M=empty(NT, HV, C, C, dtype=f32), A_qk=operand(NT, HV, C, C))
     G = kept["G"]  # read by every stage; also the placeholder of absent optional tensors
     stored = not training  # q_e and k_g stored (inference), else made where they are read
     q_e = empty(NT, HV, C, K) if stored else G
@@ -156,11 +175,11 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
         run(
             scores.scores_kernel,
             q, k, row_scales("rstd_q"), row_scales("rstd_k"), G, layout.chunk_starts, layout.chunk_seq_ends,
-            kept["M"], kept["A_qk"], q_e, spec.scale, plan.group, C, L2, stored,
+            kept["M"], kept["A_qk"], q_e, spec.scale, plan.group, C, L2, stored, plan.halves,
         )  # fmt: skip
     release("rstd_q")  # at inference the output reads the stored q_e; so does the state pass k_g, below
 
-    kept.update(T=empty(NT, HV, C, C, dtype=f32) if training else None, w=empty(NT, HV, C, K))
+    kept.update(T=empty(NT, HV, C, C, dtype=f32) if training else None, w=operand(NT, HV, C, K))
     k_g = empty(NT, HV, C, K) if stored else G
     u = empty(NT, HV, C, V)  # u, then v_new (the state pass writes over it)
     if chunks:
@@ -171,7 +190,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
             (
                 k, row_scales("rstd_k"), inputs.v.reshape(tokens, HV, V), G, kept["beta"], layout.chunk_starts,
                 layout.chunk_seq_ends, kept["M"], kept["T"] if training else kept["M"], kept["w"], u, k_g,
-                plan.group, C, C // solve.SUB, training, L2, stored,
+                plan.group, C, C // solve.SUB, training, L2, stored, plan.halves,
             ),
             plan.key,
         )  # fmt: skip
@@ -186,7 +205,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
         layout.chunk_bounds, h,
         h0 if h0 is not None else G,
         ht if ht is not None else G,
-        plan.group, C, h0 is not None, ht is not None, spec.state_v_first, L2, stored,
+        plan.group, C, h0 is not None, ht is not None, spec.state_v_first, L2, stored, plan.halves,
     )  # fmt: skip
     del k_g
     G_out = q_e if stored else G  # the output reads G only to make q_e (a placeholder when q_e is stored)
@@ -197,7 +216,7 @@ def helion_forward(inputs: KDAInputs, spec: KDASpec, out: KDAOutputs | None = No
     if chunks:
         outputs = (
             q_e, q, row_scales("rstd_q"), G_out, h, kept["A_qk"], u, layout.chunk_starts, layout.chunk_seq_ends,
-            o.view(tokens, HV, V), spec.scale, plan.group, C, L2, stored,
+            o.view(tokens, HV, V), spec.scale, plan.group, C, L2, stored, plan.halves,
         )  # fmt: skip
         runtime.launch(output.output_kernel, output_precision(plan.precision), outputs, plan.key)
 

@@ -24,9 +24,11 @@ before ``exp``. The choice is made per strip at run time (a branch on one scalar
 block for every strip cost 70% of the forward.
 
 ``M`` is stored in fp32 (stage 3 solves the inverse from it; the backward reads it for ``dbeta``), ``A_qk``
-in the storage dtype. At inference (``STORED``) so is ``q_e = scale q exp(G)`` (every exponent <= 0), for
-the output; in training it is not: the output and the backward make it from ``q`` and ``G`` as they load
-them (`kda/backends/helion/forward.py` says why).
+in the storage dtype, or, training on 16-bit inputs (``HALVES``), as bf16 halves ``[NT, HV, 2, C, C]``
+(``hi = bf16(A)``, ``lo = bf16(A - hi)``: ``hi + lo`` is ``A`` to 16 significant bits, the operands of the
+backward's serial pass, `state_backward`). At inference (``STORED``) so is ``q_e = scale q exp(G)``
+(every exponent <= 0), for the output; in training it is not: the output and the backward make it from
+``q`` and ``G`` as they load them (`kda/backends/helion/forward.py` says why).
 Each strip writes its 16 rows whole: the columns before ``a`` from the product, the diagonal block, and
 zeros after it, so the buffers need no clearing. Rows past the sequence's end read zeros and store zeros.
 
@@ -48,13 +50,14 @@ def scores_kernel(
     chunk_starts: torch.Tensor,  # [NT] int32
     chunk_seq_ends: torch.Tensor,  # [NT] int32
     M: torch.Tensor,  # [NT, HV, C, C] fp32 out (strictly lower)
-    A_qk: torch.Tensor,  # [NT, HV, C, C] out, storage dtype (lower, scaled)
+    A_qk: torch.Tensor,  # [NT, HV, C, C] out, storage dtype (lower, scaled); [NT, HV, 2, C, C] bf16 with HALVES
     q_e: torch.Tensor,  # [NT, HV, C, K] out, storage dtype, with STORED (else a placeholder)
     scale: float,
     group: int,  # HV // H
     C: hl.constexpr,
     L2: hl.constexpr,  # rows scaled by their l2norm's r as they are loaded
     STORED: hl.constexpr,  # q_e stored (inference)
+    HALVES: hl.constexpr,  # A_qk stored as bf16 halves (training on 16-bit inputs)
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -120,8 +123,20 @@ def scores_kernel(
         M_strip = torch.where((tile_i.index[:, None] > cols[None, :]) & (cols < limit)[None, :], off_kk, 0.0)
         hl.store(M, [c, hv, tile_i, cols], M_strip, extra_mask=from_product[None, :])
         A = torch.where((tile_i.index[:, None] >= cols[None, :]) & (cols < limit)[None, :], scale * off_qk, 0.0)
-        hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype), extra_mask=from_product[None, :])
+        if HALVES:
+            A_hi = A.to(torch.bfloat16)
+            hl.store(A_qk, [c, hv, 0, tile_i, cols], A_hi, extra_mask=from_product[None, :])
+            A_lo = (A - A_hi.to(torch.float32)).to(torch.bfloat16)
+            hl.store(A_qk, [c, hv, 1, tile_i, cols], A_lo, extra_mask=from_product[None, :])
+        else:
+            hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype), extra_mask=from_product[None, :])
         if not by_product:
             strict = tile_i.index[:, None] > diag[None, :]
             hl.store(M, [c, hv, tile_i, diag], torch.where(strict, blk_kk, 0.0))
-            hl.store(A_qk, [c, hv, tile_i, diag], torch.where(causal, scale * blk_qk, 0.0).to(A_qk.dtype))
+            if HALVES:
+                A_diag = torch.where(causal, scale * blk_qk, 0.0)
+                diag_hi = A_diag.to(torch.bfloat16)
+                hl.store(A_qk, [c, hv, 0, tile_i, diag], diag_hi)
+                hl.store(A_qk, [c, hv, 1, tile_i, diag], (A_diag - diag_hi.to(torch.float32)).to(torch.bfloat16))
+            else:
+                hl.store(A_qk, [c, hv, tile_i, diag], torch.where(causal, scale * blk_qk, 0.0).to(A_qk.dtype))

@@ -36,7 +36,9 @@ the blocks off the diagonal zero), two per block row after the first: 14 at C = 
 ``T`` is stored (fp32) when training: the backward needs it.
 
 Grid ``(NT, HV)``; ``K`` and ``V`` in config-sized blocks. Outputs chunk-major in the storage dtype; rows
-past the sequence's end are zero (``beta = 0`` there, and ``k``, ``v`` load as zeros).
+past the sequence's end are zero (``beta = 0`` there, and ``k``, ``v`` load as zeros). Training on 16-bit
+inputs (``HALVES``) ``w`` is stored as bf16 halves ``[NT, HV, 2, C, K]`` (``hi = bf16(w)``, ``lo = bf16(w -
+hi)``), the operands of both serial passes' products (`state`, `state_backward`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def solve_kernel(
     chunk_seq_ends: torch.Tensor,  # [NT] int32
     M: torch.Tensor,  # [NT, HV, C, C] fp32
     T_out: torch.Tensor,  # [NT, HV, C, C] fp32 out when SAVE_T (else a placeholder)
-    w: torch.Tensor,  # [NT, HV, C, K] out
+    w: torch.Tensor,  # [NT, HV, C, K] out; [NT, HV, 2, C, K] bf16 with HALVES
     u: torch.Tensor,  # [NT, HV, C, V] out
     k_g: torch.Tensor,  # [NT, HV, C, K] out with STORED (else a placeholder)
     group: int,
@@ -66,6 +68,7 @@ def solve_kernel(
     SAVE_T: hl.constexpr,
     L2: hl.constexpr,
     STORED: hl.constexpr,  # k_g stored (inference)
+    HALVES: hl.constexpr,  # w stored as bf16 halves (training on 16-bit inputs)
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -105,7 +108,13 @@ def solve_kernel(
             if L2:
                 k_i = k_i * r[:, None]
             G_i = G[c, hv, :, tile_k]  # [C, BK]
-            w[c, hv, :, tile_k] = hl.dot(T, b[:, None] * k_i * torch.exp(G_i)).to(w.dtype)
+            if HALVES:
+                w_k = hl.dot(T, b[:, None] * k_i * torch.exp(G_i))  # [C, BK]
+                w_hi = w_k.to(torch.bfloat16)
+                w[c, hv, 0, :, tile_k] = w_hi
+                w[c, hv, 1, :, tile_k] = (w_k - w_hi.to(torch.float32)).to(torch.bfloat16)
+            else:
+                w[c, hv, :, tile_k] = hl.dot(T, b[:, None] * k_i * torch.exp(G_i)).to(w.dtype)
             if STORED:
                 G_last = G[c, hv, C - 1, tile_k]  # [BK]
                 k_g[c, hv, :, tile_k] = (k_i * torch.exp(G_last[None, :] - G_i)).to(k_g.dtype)

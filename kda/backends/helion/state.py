@@ -15,6 +15,13 @@ registers). A tail chunk's rows past the end are zero in ``w``, ``u`` and ``k`` 
 change nothing, and ``G_last`` (the chunk's last row) is the last token's value. The products take
 operands in the storage dtype (fp32 accumulation), as the intermediates are stored.
 
+Training on bf16/fp16 inputs (``HALVES``): ``w`` is read as the bf16 halves `solve` stored (``[NT, HV, 2,
+C, K]``, ``w = hi + lo``), ``k_g``, ``S`` and ``v_new`` are split the same way in registers (``hi =
+bf16(x)``, ``lo = bf16(x - hi)``), and each product ``a b`` is ``a_lo b_hi + a_hi b_lo + a_hi b_hi`` on
+bf16 tensor cores with fp32 accumulation: the terms above 2^-16 of fp32's product, whose operands can come
+from shared memory, where TF32x3 (Triton's three TF32 products of fp32 operands) holds three copies of each
+in registers and spills (`docs/design.md`, "The helion backend").
+
 Both state layouts: ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``V_FIRST`` (read and written transposed).
 Grid ``(N, HV, V / BV)``.
 """
@@ -26,7 +33,7 @@ import torch
 
 
 def state_kernel(
-    w: torch.Tensor,  # [NT, HV, C, K]
+    w: torch.Tensor,  # [NT, HV, C, K]; [NT, HV, 2, C, K] bf16 halves with HALVES
     u: torch.Tensor,  # [NT, HV, C, V] in: u; out: v_new
     k_g: torch.Tensor,  # [NT, HV, C, K] with STORED (else a placeholder)
     k: torch.Tensor,  # [tokens, H, K] as given
@@ -45,10 +52,11 @@ def state_kernel(
     V_FIRST: hl.constexpr,
     L2: hl.constexpr,
     STORED: hl.constexpr,  # k_g read as stored (inference), else made from k and G
+    HALVES: hl.constexpr,  # training on 16-bit inputs: w as bf16 halves, every product on halves
 ) -> None:
     N = chunk_bounds.size(0) - 1
     HV = w.size(1)
-    K = hl.specialize(w.size(3))
+    K = hl.specialize(w.size(-1))
     hl.specialize(k.size(2))
     V = u.size(3)
     for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
@@ -65,8 +73,17 @@ def state_kernel(
         for tile_j in hl.tile(chunk_bounds[n], chunk_bounds[n + 1], block_size=1):
             j = tile_j.begin
             h[j, hv, :, tile_v] = S.to(h.dtype)
-            w_j = w[j, hv, :, :]  # [C, K]
-            v_new = u[j, hv, :, tile_v].to(torch.float32) - hl.dot(w_j, S.to(w_j.dtype))
+            if HALVES:
+                S_hi = S.to(torch.bfloat16)
+                S_lo = (S - S_hi.to(torch.float32)).to(torch.bfloat16)
+                w_hi = w[j, hv, 0, :, :]  # [C, K]
+                products = hl.dot(w[j, hv, 1, :, :], S_hi)  # the smallest term first, as TF32x3 sums them
+                products = hl.dot(w_hi, S_lo, acc=products)
+                products = hl.dot(w_hi, S_hi, acc=products)
+                v_new = u[j, hv, :, tile_v] - products  # [C, BV]
+            else:
+                w_j = w[j, hv, :, :]  # [C, K]
+                v_new = u[j, hv, :, tile_v].to(torch.float32) - hl.dot(w_j, S.to(w_j.dtype))
             u[j, hv, :, tile_v] = v_new.to(u.dtype)
             G_last = G[j, hv, C - 1, :]  # [K]
             if STORED:
@@ -77,8 +94,18 @@ def state_kernel(
                 k_j = hl.load(k, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
                 if L2:
                     k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
-                k_j = (k_j * torch.exp(G_last[None, :] - G[j, hv, :, :])).to(w_j.dtype)
-            S = hl.dot(k_j.transpose(0, 1), v_new.to(k_j.dtype), acc=S * torch.exp(G_last)[:, None])
+                k_j = k_j * torch.exp(G_last[None, :] - G[j, hv, :, :])  # fp32, as w is when not HALVES
+            if HALVES:
+                S = S * torch.exp(G_last)[:, None]
+                k_hi = k_j.to(torch.bfloat16)
+                k_lo = (k_j - k_hi.to(torch.float32)).to(torch.bfloat16)
+                v_hi = v_new.to(torch.bfloat16)
+                v_lo = (v_new - v_hi.to(torch.float32)).to(torch.bfloat16)
+                S = hl.dot(k_lo.transpose(0, 1), v_hi, acc=S)
+                S = hl.dot(k_hi.transpose(0, 1), v_lo, acc=S)
+                S = hl.dot(k_hi.transpose(0, 1), v_hi, acc=S)
+            else:
+                S = hl.dot(k_j.transpose(0, 1), v_new.to(k_j.dtype), acc=S * torch.exp(G_last)[:, None])
         if STORE_HT:
             if V_FIRST:
                 ht[n, hv, tile_v, :] = S.transpose(0, 1)

@@ -13,6 +13,12 @@ with ``q_e = scale q exp(G)`` and ``k_g = k exp(G_last - G)`` made here, as the 
 chunk's rows of ``q`` and ``k`` (times their l2norm scales with L2) and ``G``: nothing stores them.
 ``dh`` and ``dv_new`` are stored chunk-major in fp32 for `chunk_backward`. Grid ``(N, HV, V / BV)``;
 ``K`` whole, ``dS`` fp32 in registers. Both state layouts, as the forward's `state`.
+
+Training on bf16/fp16 inputs (``HALVES``), every product is on bf16 halves, as in the forward's `state`:
+``w`` and ``A_qk`` read as the forward stored them (``[NT, HV, 2, C, ...]``, ``x = hi + lo``), ``q_e``,
+``k_g``, ``dS`` and ``dv_new`` split in registers (``hi = bf16(x)``, ``lo = bf16(x - hi)``), each product
+``a b`` as ``a_lo b_hi + a_hi b_lo + a_hi b_hi`` with fp32 accumulation. ``do`` is 16-bit already: bf16 is
+one half (two products), fp16 two exact ones (its 11 bits as ``hi + lo``; three products).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ def state_backward_kernel(
     k: torch.Tensor,  # [tokens, H, K] as given
     rstd_q: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
     rstd_k: torch.Tensor,  # [tokens, H] fp32 with L2, else a placeholder
-    w: torch.Tensor,  # [NT, HV, C, K]
-    A_qk: torch.Tensor,  # [NT, HV, C, C]
+    w: torch.Tensor,  # [NT, HV, C, K]; [NT, HV, 2, C, K] bf16 halves with HALVES
+    A_qk: torch.Tensor,  # [NT, HV, C, C]; [NT, HV, 2, C, C] bf16 halves with HALVES
     G: torch.Tensor,  # [NT, HV, C, K] fp32
     chunk_starts: torch.Tensor,  # [NT] int32
     chunk_seq_ends: torch.Tensor,  # [NT] int32
@@ -44,10 +50,11 @@ def state_backward_kernel(
     STORE_DH0: hl.constexpr,
     V_FIRST: hl.constexpr,
     L2: hl.constexpr,
+    HALVES: hl.constexpr,  # training on 16-bit inputs: w and A_qk as bf16 halves, every product on halves
 ) -> None:
     N = chunk_bounds.size(0) - 1
     HV = w.size(1)
-    K = hl.specialize(w.size(3))
+    K = hl.specialize(w.size(-1))
     hl.specialize(q.size(2))
     V = dh.size(3)
     for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
@@ -68,23 +75,64 @@ def state_backward_kernel(
             dh[j, hv, :, tile_v] = dS
             rows = chunk_starts[j] + hl.arange(C)
             valid = rows < chunk_seq_ends[j]
-            do_j = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)  # [C, BV]
-            q_j = hl.load(q, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)  # [C, K]
-            k_j = hl.load(k, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
-            if L2:
-                q_j = q_j * hl.load(rstd_q, [rows, head], extra_mask=valid)[:, None]
-                k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
-            G_j = G[j, hv, :, :]  # [C, K]
-            G_last = G[j, hv, C - 1, :]  # [K]
-            q_e = scale * q_j * torch.exp(G_j)
-            k_g = k_j * torch.exp(G_last[None, :] - G_j)
-            A = A_qk[j, hv, :, :].to(torch.float32)
-            dvn = hl.dot(A.transpose(0, 1), do_j)
-            dvn = hl.dot(k_g, dS, acc=dvn)
-            dv_new[j, hv, :, tile_v] = dvn
-            dS = dS * torch.exp(G_last)[:, None]
-            dS = hl.dot(q_e.transpose(0, 1), do_j, acc=dS)
-            dS = dS - hl.dot(w[j, hv, :, :].to(torch.float32).transpose(0, 1), dvn)
+            if HALVES:
+                do_j = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None])  # [C, BV] 16-bit
+                do_hi = do_j.to(torch.bfloat16)  # bf16's do whole; fp16's top 8 bits
+                k_j = hl.load(k, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
+                if L2:
+                    k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
+                G_last = G[j, hv, C - 1, :]  # [K]
+                k_g = k_j * torch.exp(G_last[None, :] - G[j, hv, :, :])  # [C, K]
+                k_hi = k_g.to(torch.bfloat16)
+                k_lo = (k_g - k_hi.to(torch.float32)).to(torch.bfloat16)
+                dS_hi = dS.to(torch.bfloat16)
+                dS_lo = (dS - dS_hi.to(torch.float32)).to(torch.bfloat16)
+                A_hi = A_qk[j, hv, 0, :, :].transpose(0, 1)  # [C, C]
+                dvn = hl.dot(A_qk[j, hv, 1, :, :].transpose(0, 1), do_hi)  # [C, BV], the smallest terms first
+                if do.dtype == torch.float16:  # its low 3 bits, exact in bf16
+                    do_lo = (do_j.to(torch.float32) - do_hi.to(torch.float32)).to(torch.bfloat16)
+                    dvn = hl.dot(A_hi, do_lo, acc=dvn)
+                dvn = hl.dot(A_hi, do_hi, acc=dvn)
+                dvn = hl.dot(k_lo, dS_hi, acc=dvn)
+                dvn = hl.dot(k_hi, dS_lo, acc=dvn)
+                dvn = hl.dot(k_hi, dS_hi, acc=dvn)
+                dv_new[j, hv, :, tile_v] = dvn
+                dS = dS * torch.exp(G_last)[:, None]
+                q_j = hl.load(q, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
+                if L2:
+                    q_j = q_j * hl.load(rstd_q, [rows, head], extra_mask=valid)[:, None]
+                q_e = scale * q_j * torch.exp(G[j, hv, :, :])  # [C, K]
+                q_hi = q_e.to(torch.bfloat16)
+                q_lo = (q_e - q_hi.to(torch.float32)).to(torch.bfloat16)
+                dS = hl.dot(q_lo.transpose(0, 1), do_hi, acc=dS)
+                if do.dtype == torch.float16:
+                    dS = hl.dot(q_hi.transpose(0, 1), do_lo, acc=dS)
+                dS = hl.dot(q_hi.transpose(0, 1), do_hi, acc=dS)
+                dvn_hi = dvn.to(torch.bfloat16)
+                dvn_lo = (dvn - dvn_hi.to(torch.float32)).to(torch.bfloat16)
+                w_hi = w[j, hv, 0, :, :].transpose(0, 1)  # [K, C]
+                products = hl.dot(w[j, hv, 1, :, :].transpose(0, 1), dvn_hi)
+                products = hl.dot(w_hi, dvn_lo, acc=products)
+                products = hl.dot(w_hi, dvn_hi, acc=products)
+                dS = dS - products
+            else:
+                do_j = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)  # [C, BV]
+                q_j = hl.load(q, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)  # [C, K]
+                k_j = hl.load(k, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
+                if L2:
+                    q_j = q_j * hl.load(rstd_q, [rows, head], extra_mask=valid)[:, None]
+                    k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
+                G_j = G[j, hv, :, :]  # [C, K]
+                G_last = G[j, hv, C - 1, :]  # [K]
+                q_e = scale * q_j * torch.exp(G_j)
+                k_g = k_j * torch.exp(G_last[None, :] - G_j)
+                A = A_qk[j, hv, :, :].to(torch.float32)
+                dvn = hl.dot(A.transpose(0, 1), do_j)
+                dvn = hl.dot(k_g, dS, acc=dvn)
+                dv_new[j, hv, :, tile_v] = dvn
+                dS = dS * torch.exp(G_last)[:, None]
+                dS = hl.dot(q_e.transpose(0, 1), do_j, acc=dS)
+                dS = dS - hl.dot(w[j, hv, :, :].to(torch.float32).transpose(0, 1), dvn)
         if STORE_DH0:
             if V_FIRST:
                 dh0[n, hv, tile_v, :] = dS.transpose(0, 1)

@@ -155,6 +155,109 @@ def test_each_kernel_multiplies_at_its_precision(seed, interpreter, monkeypatch,
     assert all(used == {others} for used in launched.values()), launched
 
 
+def _small_call(dtype: torch.dtype, training: bool):
+    """A two-head call of three chunks (C = 32, the last ragged), safe gate, l2norm in kernel, both states:
+    its inputs and spec, for the host functions of `forward` and `backward` directly."""
+    from kda.backends.base import KDAInputs
+    from kda.spec import KDASpec
+
+    B, T, H, K, V = 1, 83, 2, 16, 16
+    q, k, v, g = (torch.randn(B, T, H, D).to(dtype) for D in (K, K, V, K))
+    beta = torch.randn(B, T, H).to(dtype)
+    A_log, dt_bias, h0 = torch.randn(H), torch.randn(H * K), torch.randn(B, H, K, V)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, safe_gate=True)
+    spec = KDASpec.from_call(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+        lower_bound=-5.0, chunk_size=32, requires_grad=training, **flags,
+    )  # fmt: skip
+    return KDAInputs(q, k, v, g, beta, A_log, dt_bias, h0), spec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_training_on_half_inputs_keeps_w_and_A_qk_as_bf16_halves(seed, interpreter, monkeypatch, dtype):
+    """What the two serial passes multiply, ``w`` and ``A_qk``, is kept for the backward as bf16 halves
+    ``[NT, HV, 2, C, D]`` (fp16 inputs too: fp16 halves could overflow) whose sum is the fp32 value the same
+    kernels give with fp32 storage, to 2^-16 of it (``hi`` its nearest bf16, ``lo`` the rest's); the training
+    gradients on them are `test_the_training_serial_passes_multiply_halves`'s."""
+    from kda.backends.helion import forward
+
+    inputs, spec = _small_call(dtype, training=True)
+    saved = forward.helion_forward(inputs, spec).saved
+    NT, C = 3, spec.chunk_size
+    for name, D in (("w", spec.K), ("A_qk", C)):
+        halves = saved[name]
+        assert halves.shape == (NT, spec.HV, 2, C, D) and halves.dtype == torch.bfloat16, (name, halves.shape)
+    monkeypatch.setattr(forward, "training_halves", lambda spec: False)  # the same kernels, fp32 storage
+    fp32 = forward.helion_forward(inputs, spec).saved
+    for name in ("w", "A_qk"):
+        halves, exact = saved[name], fp32[name]
+        assert exact.dtype == torch.float32 and exact.shape == halves[:, :, 0].shape
+        hi, lo = halves[:, :, 0].float(), halves[:, :, 1].float()
+        assert torch.equal(hi, exact.to(torch.bfloat16).float()), name
+        # 2^-16 relative; below bf16's normal range (2^-126: decays of e^-87) lo keeps fewer bits
+        assert (hi + lo - exact).abs().le(2.0**-16 * exact.abs() + 2.0**-133).all(), name
+        assert lo.abs().gt(0).any() and (hi + lo - exact).abs().lt((hi - exact).abs()).any(), name  # lo counts
+
+
+@pytest.mark.parametrize(
+    ("dtype", "training"),
+    [(torch.float32, True), (torch.float32, False), (torch.bfloat16, False), (torch.float16, False)],
+    ids=["fp32-training", "fp32-inference", "bf16-inference", "fp16-inference"],
+)
+def test_fp32_calls_and_inference_keep_their_storage(seed, interpreter, monkeypatch, dtype, training):
+    """Only training on half inputs takes halves. fp32 calls keep ``w`` and ``A_qk`` in fp32 and their IEEE
+    products (halves' 16 bits measured a ``dA_log`` past fp32's 1e-3 tolerance on the triton backend's
+    kernels); inference keeps them in its storage dtype, every kernel in its ``HALVES``-off variant."""
+    from kda.backends.helion import forward
+
+    launched: dict[str, tuple] = {}
+    real = runtime.launch
+
+    def recording(fn, precision, args, key):
+        launched[fn.__name__] = (args, key)
+        real(fn, precision, args, key)
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    inputs, spec = _small_call(dtype, training=training)
+    saved = forward.helion_forward(inputs, spec).saved
+    store = forward.storage_dtype(spec)
+    for name in ("scores_kernel", "solve_kernel", "state_kernel", "output_kernel"):
+        args, key = launched.pop(name)
+        assert args[-1] is False and not key.halves, name  # HALVES off
+    if training:
+        w, A_qk = saved["w"], saved["A_qk"]
+        assert w.shape == (3, spec.HV, spec.chunk_size, spec.K) and w.dtype == torch.float32
+        assert A_qk.shape == (3, spec.HV, spec.chunk_size, spec.chunk_size) and A_qk.dtype == torch.float32
+        assert not saved["plan"].halves
+    else:
+        assert saved is None and store == dtype
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypatch, dtype):
+    """A half-input training case against the float64 reference (every gradient at the policy's tolerance),
+    with both serial passes shown to have run on the halves: the ``HALVES`` variant, ``w`` bf16 ``[NT, HV,
+    2, C, K]``, and the table key that selects their launch settings."""
+    passes: dict[str, tuple] = {}
+    real = runtime.launch
+
+    def recording(fn, precision, args, key):
+        if fn.__name__ in ("state_kernel", "state_backward_kernel"):
+            passes[fn.__name__] = (args, key)
+        real(fn, precision, args, key)
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    cc = case_class(dtype=dtype, varlen=True, gva=True, training=True)
+    result = run_case(interpreter, small_case(cc, "realistic", seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    assert expected_gradients(cc) <= set(result.errors)
+    assert set(passes) == {"state_kernel", "state_backward_kernel"}
+    for name, (args, key) in passes.items():
+        w = args[0] if name == "state_kernel" else args[5]
+        assert args[-1] is True and key.halves and not key.half, name  # HALVES
+        assert w.dtype == torch.bfloat16 and w.dim() == 5 and w.shape[2] == 2, (name, w.shape)
+
+
 def test_the_helion_kernels_are_what_ran(seed, interpreter, monkeypatch):
     launched: list[str] = []
     real = runtime.launch
@@ -262,6 +365,14 @@ def test_a_halves_entry_serves_half_input_training_alone(tmp_path, monkeypatch):
     assert configs.nearest("j", training) is None
     assert configs.entry_key(training) == {"K": 128, "V": 128, "C": 64, "half": False, "halves": True}
     assert "halves" not in configs.entry_key(fp32)
+
+
+def test_the_shipped_training_serial_passes_take_32_value_columns_and_4_warps():
+    """The setting measured on an H100 for the serial passes on halves (B4_T2048_H16_D128)."""
+    key = configs.ShapeKey("sm90", 128, 128, 64, False, halves=True)
+    for name in ("state_kernel", "state_backward_kernel"):
+        config = configs.nearest(name, key)
+        assert config is not None and (config["block_sizes"], config["num_warps"]) == ([32], 4), name
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", json.dumps({"k": [{"K": "x"}, 5]})])

@@ -83,24 +83,25 @@ def test_default_configurations_train_within_bounds(seed, compiled, checked_kern
     assert kernels_run(checked_kernel_addresses) == kernels_of(cc)
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["inference-bf16", "training-fp32"])
+@pytest.mark.parametrize("training", [False, True], ids=["inference-bf16", "training-bf16"])
 def test_the_shipped_h200_configurations_within_bounds(seed, compiled, checked_kernel_addresses, monkeypatch, training):
-    """K = V = 128, the head dims `tuned_sm90.json` holds: each kernel with an entry at the call's storage width
-    must have compiled with it (an entry Helion refuses falls back to the default, and says so through
-    `configs.warn_default`); exactly the kernels without one run the default."""
+    """K = V = 128, the head dims `tuned_sm90.json` holds: each kernel with an entry at the call's storage
+    (16-bit at inference; fp32 with ``w`` and ``A_qk`` as bf16 halves in training) must have compiled with
+    it (an entry Helion refuses falls back to the default, and says so through `configs.warn_default`);
+    exactly the kernels without one run the default."""
     monkeypatch.setattr(forward, "arch", lambda device: "sm90")
     defaulted: list[tuple[str, str]] = []
     monkeypatch.setattr(configs, "warn_default", lambda name, arch, why: defaulted.append((name, why)))
-    cc = case_class(varlen=True, gva=True, chunk_size=64, training=training, head_dim=128,
-                    dtype="float32" if training else "bfloat16")  # fmt: skip
+    cc = case_class(varlen=True, gva=True, chunk_size=64, training=training, head_dim=128, dtype="bfloat16")
     result = run_case(compiled, small_case(cc, "realistic", K=128, V=128, seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
     assert kernels_run(checked_kernel_addresses) == kernels_of(cc)
     shipped = json.loads(configs.shipped_table_path("sm90").read_text())
+    key = configs.ShapeKey("sm90", 128, 128, 64, not training, halves=training)
     with_entry = {
         name.removesuffix("_kernel")
         for name, entries in shipped.items()
-        if any((e["K"], e["V"], e["half"]) == (128, 128, not training) for e in entries)
+        if any(configs.matches(e, key) for e in entries)
     }
     assert with_entry, "the shipped table has no entry at this storage width"
     assert all("no table entry" in why for _, why in defaulted), defaulted  # no entry was refused

@@ -173,7 +173,7 @@ def test_the_reference_matches_helions_kernel_in_its_interpreter(seed, monkeypat
     kernel(
         x["do"], q, k, G, G, x["w"], x["A_qk"], G,
         layout.chunk_starts, layout.chunk_seq_ends, layout.chunk_bounds,
-        dht if dht is not None else placeholder, dh, dv_new, dh0, scale, 1, C, has_dht, True, v_first, False,
+        dht if dht is not None else placeholder, dh, dv_new, dh0, scale, 1, C, has_dht, True, v_first, False, False,
     )  # fmt: skip
     expected = reference_state_backward(
         x["do"], q_e, x["w"], k_g, x["A_qk"], x["G_last"],

@@ -40,6 +40,8 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+from kda.backends.helion.halves import split
+
 
 def scores_kernel(
     q: torch.Tensor,  # [tokens, H, K] as given
@@ -124,9 +126,8 @@ def scores_kernel(
         hl.store(M, [c, hv, tile_i, cols], M_strip, extra_mask=from_product[None, :])
         A = torch.where((tile_i.index[:, None] >= cols[None, :]) & (cols < limit)[None, :], scale * off_qk, 0.0)
         if HALVES:
-            A_hi = A.to(torch.bfloat16)
+            A_hi, A_lo = split(A)
             hl.store(A_qk, [c, hv, 0, tile_i, cols], A_hi, extra_mask=from_product[None, :])
-            A_lo = (A - A_hi.to(torch.float32)).to(torch.bfloat16)
             hl.store(A_qk, [c, hv, 1, tile_i, cols], A_lo, extra_mask=from_product[None, :])
         else:
             hl.store(A_qk, [c, hv, tile_i, cols], A.to(A_qk.dtype), extra_mask=from_product[None, :])
@@ -135,8 +136,8 @@ def scores_kernel(
             hl.store(M, [c, hv, tile_i, diag], torch.where(strict, blk_kk, 0.0))
             if HALVES:
                 A_diag = torch.where(causal, scale * blk_qk, 0.0)
-                diag_hi = A_diag.to(torch.bfloat16)
+                diag_hi, diag_lo = split(A_diag)
                 hl.store(A_qk, [c, hv, 0, tile_i, diag], diag_hi)
-                hl.store(A_qk, [c, hv, 1, tile_i, diag], (A_diag - diag_hi.to(torch.float32)).to(torch.bfloat16))
+                hl.store(A_qk, [c, hv, 1, tile_i, diag], diag_lo)
             else:
                 hl.store(A_qk, [c, hv, tile_i, diag], torch.where(causal, scale * blk_qk, 0.0).to(A_qk.dtype))

@@ -46,6 +46,8 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+from kda.backends.helion.halves import split
+
 SUB = 16  # rows of a diagonal block
 
 
@@ -110,9 +112,9 @@ def solve_kernel(
             G_i = G[c, hv, :, tile_k]  # [C, BK]
             if HALVES:
                 w_k = hl.dot(T, b[:, None] * k_i * torch.exp(G_i))  # [C, BK]
-                w_hi = w_k.to(torch.bfloat16)
+                w_hi, w_lo = split(w_k)
                 w[c, hv, 0, :, tile_k] = w_hi
-                w[c, hv, 1, :, tile_k] = (w_k - w_hi.to(torch.float32)).to(torch.bfloat16)
+                w[c, hv, 1, :, tile_k] = w_lo
             else:
                 w[c, hv, :, tile_k] = hl.dot(T, b[:, None] * k_i * torch.exp(G_i)).to(w.dtype)
             if STORED:

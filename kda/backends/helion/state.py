@@ -31,6 +31,8 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+from kda.backends.helion.halves import dot3, split
+
 
 def state_kernel(
     w: torch.Tensor,  # [NT, HV, C, K]; [NT, HV, 2, C, K] bf16 halves with HALVES
@@ -74,13 +76,9 @@ def state_kernel(
             j = tile_j.begin
             h[j, hv, :, tile_v] = S.to(h.dtype)
             if HALVES:
-                S_hi = S.to(torch.bfloat16)
-                S_lo = (S - S_hi.to(torch.float32)).to(torch.bfloat16)
-                w_hi = w[j, hv, 0, :, :]  # [C, K]
-                products = hl.dot(w[j, hv, 1, :, :], S_hi)  # the smallest term first, as TF32x3 sums them
-                products = hl.dot(w_hi, S_lo, acc=products)
-                products = hl.dot(w_hi, S_hi, acc=products)
-                v_new = u[j, hv, :, tile_v] - products  # [C, BV]
+                S_hi, S_lo = split(S)
+                products = dot3(w[j, hv, 0, :, :], w[j, hv, 1, :, :], S_hi, S_lo)  # [C, BV]
+                v_new = u[j, hv, :, tile_v] - products
             else:
                 w_j = w[j, hv, :, :]  # [C, K]
                 v_new = u[j, hv, :, tile_v].to(torch.float32) - hl.dot(w_j, S.to(w_j.dtype))
@@ -97,13 +95,9 @@ def state_kernel(
                 k_j = k_j * torch.exp(G_last[None, :] - G[j, hv, :, :])  # fp32, as w is when not HALVES
             if HALVES:
                 S = S * torch.exp(G_last)[:, None]
-                k_hi = k_j.to(torch.bfloat16)
-                k_lo = (k_j - k_hi.to(torch.float32)).to(torch.bfloat16)
-                v_hi = v_new.to(torch.bfloat16)
-                v_lo = (v_new - v_hi.to(torch.float32)).to(torch.bfloat16)
-                S = hl.dot(k_lo.transpose(0, 1), v_hi, acc=S)
-                S = hl.dot(k_hi.transpose(0, 1), v_lo, acc=S)
-                S = hl.dot(k_hi.transpose(0, 1), v_hi, acc=S)
+                k_hi, k_lo = split(k_j)
+                v_hi, v_lo = split(v_new)
+                S = dot3(k_hi.transpose(0, 1), k_lo.transpose(0, 1), v_hi, v_lo, acc=S)
             else:
                 S = hl.dot(k_j.transpose(0, 1), v_new.to(k_j.dtype), acc=S * torch.exp(G_last)[:, None])
         if STORE_HT:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+from kda.backends.helion.halves import dot3, split
+
 
 def state_backward_kernel(
     do: torch.Tensor,  # [tokens, HV, V]
@@ -83,38 +85,29 @@ def state_backward_kernel(
                     k_j = k_j * hl.load(rstd_k, [rows, head], extra_mask=valid)[:, None]
                 G_last = G[j, hv, C - 1, :]  # [K]
                 k_g = k_j * torch.exp(G_last[None, :] - G[j, hv, :, :])  # [C, K]
-                k_hi = k_g.to(torch.bfloat16)
-                k_lo = (k_g - k_hi.to(torch.float32)).to(torch.bfloat16)
-                dS_hi = dS.to(torch.bfloat16)
-                dS_lo = (dS - dS_hi.to(torch.float32)).to(torch.bfloat16)
+                k_hi, k_lo = split(k_g)
+                dS_hi, dS_lo = split(dS)
                 A_hi = A_qk[j, hv, 0, :, :].transpose(0, 1)  # [C, C]
                 dvn = hl.dot(A_qk[j, hv, 1, :, :].transpose(0, 1), do_hi)  # [C, BV], the smallest terms first
                 if do.dtype == torch.float16:  # its low 3 bits, exact in bf16
                     do_lo = (do_j.to(torch.float32) - do_hi.to(torch.float32)).to(torch.bfloat16)
                     dvn = hl.dot(A_hi, do_lo, acc=dvn)
                 dvn = hl.dot(A_hi, do_hi, acc=dvn)
-                dvn = hl.dot(k_lo, dS_hi, acc=dvn)
-                dvn = hl.dot(k_hi, dS_lo, acc=dvn)
-                dvn = hl.dot(k_hi, dS_hi, acc=dvn)
+                dvn = dot3(k_hi, k_lo, dS_hi, dS_lo, acc=dvn)
                 dv_new[j, hv, :, tile_v] = dvn
                 dS = dS * torch.exp(G_last)[:, None]
                 q_j = hl.load(q, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)
                 if L2:
                     q_j = q_j * hl.load(rstd_q, [rows, head], extra_mask=valid)[:, None]
                 q_e = scale * q_j * torch.exp(G[j, hv, :, :])  # [C, K]
-                q_hi = q_e.to(torch.bfloat16)
-                q_lo = (q_e - q_hi.to(torch.float32)).to(torch.bfloat16)
+                q_hi, q_lo = split(q_e)
                 dS = hl.dot(q_lo.transpose(0, 1), do_hi, acc=dS)
                 if do.dtype == torch.float16:
                     dS = hl.dot(q_hi.transpose(0, 1), do_lo, acc=dS)
                 dS = hl.dot(q_hi.transpose(0, 1), do_hi, acc=dS)
-                dvn_hi = dvn.to(torch.bfloat16)
-                dvn_lo = (dvn - dvn_hi.to(torch.float32)).to(torch.bfloat16)
+                dvn_hi, dvn_lo = split(dvn)
                 w_hi = w[j, hv, 0, :, :].transpose(0, 1)  # [K, C]
-                products = hl.dot(w[j, hv, 1, :, :].transpose(0, 1), dvn_hi)
-                products = hl.dot(w_hi, dvn_lo, acc=products)
-                products = hl.dot(w_hi, dvn_hi, acc=products)
-                dS = dS - products
+                dS = dS - dot3(w_hi, w[j, hv, 1, :, :].transpose(0, 1), dvn_hi, dvn_lo)
             else:
                 do_j = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)  # [C, BV]
                 q_j = hl.load(q, [rows, head, hl.arange(K)], extra_mask=valid[:, None]).to(torch.float32)  # [C, K]

@@ -1,5 +1,6 @@
-"""The helion backend's two training serial passes on bf16 halves, as the backend runs them and as variants
-that read every operand stored, against the fp32 form: which pays on the GPU?
+"""The helion backend's training kernels on bf16 halves (the two serial passes, as the backend runs them
+and as variants that read every operand stored, and `chunk_backward`) against the fp32 form: which pays
+on the GPU?
 
     python benchmarks/helion_halves.py B4_T2048_H16_D128 B1_T8192_H96_D128      # GPU: check, then time
     python benchmarks/helion_halves.py --resources B4_T2048_H16_D128            # CPU: their sm_90a code
@@ -28,6 +29,12 @@ b_hi``)::
 
 Only the two passes are here, without initial or final states (the benchmark's calls have neither). Their
 precision was measured on the triton backend's kernels (`storage.BF16_HALVES`, "Precision and storage").
+
+Then `chunk_backward` (per chunk: the state products' and the WY step's gradients, eleven products) in
+its two forms, ``HALVES`` off (TF32x3 on fp32 operands, what training runs while
+`kda.backends.helion.backward.CHUNK_BACKWARD_ON_HALVES` is off) and on (every product on halves), on one
+training call's own arguments, at the table's settings and the halves form at each of
+`CHUNK_BACKWARD_CANDIDATES` (`chunk_backward_forms`).
 
 On a GPU, each form runs on the same inputs (the halves made from the fp32 tensors); the outputs of
 ``backend`` and ``halves`` are compared with the fp32 form's, then each is timed (median of
@@ -366,6 +373,80 @@ def measure(name: str) -> None:
             print(f"  {label:18s} {middle:8.3f} ms  ({base / middle:.2f}x the fp32 form)", flush=True)
 
 
+CHUNK_BACKWARD_OUTPUTS = ("dv", "dq_c", "dk_c", "dG_c", "dP_qk", "dP_kk", "dbeta_c")
+# (V blocks of the first loop, K blocks, V blocks of the K loop), warps: compiled for sm_90a at
+# B4_T2048_H16_D128 the halves form spills 160 B a thread at (64, 32, 32) x 8, 814 B at x 4, and 4962 B at
+# the table's (128, 64, 32) x 4, tuned on the fp32 form
+CHUNK_BACKWARD_CANDIDATES = [((64, 32, 32), 4), ((64, 32, 32), 8), ((128, 32, 32), 8), ((128, 32, 16), 8)]
+
+
+def chunk_backward_forms(name: str) -> None:
+    """On the GPU: `chunk_backward` with ``HALVES`` off (TF32x3 on fp32 operands) and on (every product on
+    bf16 halves) on one bf16 training call's own arguments (the bench's callable, its launch caught), at the
+    table's launch settings for both: each form's outputs against the other's, then both timed, interleaved."""
+    import helion
+
+    from kda.backends.helion import runtime
+    from kda.bench.runner import call_for
+    from kda.bench.shapes import MODES, BenchShape, make_inputs
+    from kda.bench.timing import median_ms
+
+    device = torch.device("cuda")
+    caught: dict[str, tuple] = {}
+    plain = runtime.launch
+
+    def catching(fn, precision, args, key) -> None:
+        if fn.__name__ == "chunk_backward_kernel":
+            caught["launch"] = (fn, precision, args, key)
+        plain(fn, precision, args, key)
+
+    runtime.launch = catching  # type: ignore[assignment]
+    try:
+        inputs = make_inputs(BenchShape.parse(name), MODES["train_safe"], device, seed=0)
+        run, why = call_for("helion", inputs, MODES["train_safe"])
+        if run is None:
+            print(f"{name} chunk_backward: not run ({why})", flush=True)
+            return
+        run()
+        torch.cuda.synchronize()
+    finally:
+        runtime.launch = plain  # type: ignore[assignment]
+    fn, precision, args, key = caught["launch"]
+    print(f"{name} chunk_backward: TF32x3 on fp32 operands against products on bf16 halves ({key})", flush=True)
+    outputs_at = len(args) - 12  # dv .. dbeta_c, then scale, group, C, L2, HALVES
+    forms = {"fp32": (*args[:-1], False), "halves": (*args[:-1], True)}
+    results = {}
+    for form, form_args in forms.items():
+        plain(fn, precision, form_args, key)
+        torch.cuda.synchronize()
+        results[form] = [x.clone() for x in form_args[outputs_at : outputs_at + 7]]
+    errors = ", ".join(
+        f"{out} {relative(a, b):.1e}"
+        for out, a, b in zip(CHUNK_BACKWARD_OUTPUTS, results["halves"], results["fp32"], strict=True)
+    )
+    print(f"  halves: {errors} from the fp32 form's", flush=True)
+    runs = {form: (lambda a=form_args: plain(fn, precision, a, key)) for form, form_args in forms.items()}
+    for blocks, warps in CHUNK_BACKWARD_CANDIDATES:  # the halves form at other launch settings
+        label = f"halves {'x'.join(map(str, blocks))} w{warps}"
+        config = helion.Config(block_sizes=list(blocks), num_warps=warps, num_stages=1)
+        kernel = helion.kernel(fn, static_shapes=False, dot_precision=precision, config=config)  # its own object
+        try:
+            kernel(*forms["halves"])
+            torch.cuda.synchronize()
+        except Exception as error:
+            print(f"  {label}: failed ({type(error).__name__}: {str(error)[:200]})", flush=True)
+            continue
+        runs[label] = lambda k=kernel, a=forms["halves"]: k(*a)
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(3):  # interleaved rounds
+        for label, run_form in runs.items():
+            times[label].append(median_ms(run_form, device, warmup_ms=20, rep_ms=100))
+    base = sorted(times["fp32"])[1]
+    for form, ms in times.items():
+        middle = sorted(ms)[1]
+        print(f"  {form:18s} {middle:8.3f} ms  ({base / middle:.2f}x the fp32 form)", flush=True)
+
+
 def variant_kernels(variant: Any) -> dict[str, Any]:
     """The halves pass as Helion kernels: at Helion's default configuration, never autotuned (given none,
     Helion 1.5 autotunes at the first call: minutes for these kernels, past a device run's time limit),
@@ -394,6 +475,7 @@ def main() -> int:
         return 2
     for name in args.shapes:
         measure(name)
+        chunk_backward_forms(name)
     return 0
 
 

@@ -16,6 +16,11 @@ from kda.backends.base import KDAGradients, KDAInputs
 from kda.backends.helion import chunk_backward, forward, runtime, score_backward, state_backward, tails
 from kda.spec import KDASpec
 
+# `chunk_backward`'s products on bf16 halves in training on half inputs (its ``HALVES`` form), as the two
+# serial passes take theirs: off until a GPU times it against the TF32x3 form (`docs/design.md`, "The
+# helion backend"; `benchmarks/helion_halves.py` compares the two on one training call's arguments)
+CHUNK_BACKWARD_ON_HALVES = False
+
 
 def helion_backward(
     inputs: KDAInputs, spec: KDASpec, saved: dict, do: torch.Tensor, dfinal_state: torch.Tensor | None
@@ -63,6 +68,7 @@ def helion_backward(
             do, inputs.v.reshape(tokens, HV, V), q, k, rstd_q, rstd_k, G, saved["beta"], saved["T"], saved["M"],
             saved["h"], dh, saved["v_new"], dv_new, layout.chunk_starts, layout.chunk_seq_ends,
             dv, dq_c, dk_c, dG_c, dP_qk, dP_kk, dbeta_c, spec.scale, plan.group, C, L2,
+            plan.halves and CHUNK_BACKWARD_ON_HALVES,
         )  # fmt: skip
         del dh, dv_new
         run(

@@ -22,6 +22,13 @@ cumulative sum of the tails.) The score matrices' gradients go to `score_backwar
 ``k`` (times their l2norm scales with L2) and ``G``, as the forward made them. ``dq``, ``dk``, ``dG`` (fp32, chunk-major, per value head) are
 written here and added to there.
 
+With ``HALVES`` (training on 16-bit inputs, where `backward.CHUNK_BACKWARD_ON_HALVES` asks for it) every
+product is on bf16 halves, as in the serial passes (`kda/backends/helion/halves.py`): ``T^T`` split once
+per program, the fp32 operands (``h``, ``dh``, ``v_new``, ``dv_new``, ``beta v``, ``X``, ``dw``, ``dT``,
+``T^T dT``) split where they are read or made, ``do`` one half in bf16 and two exact ones in fp16; three
+bf16 products each (two with ``do`` in bf16) where TF32x3 takes three TF32 products of fp32 operands held
+in registers. Without it, every product is TF32x3 (or IEEE for fp32 calls) on fp32 operands.
+
 Grid ``(NT, HV)``; ``K`` and ``V`` in config-sized blocks (``dw`` for all of ``K`` is needed for ``dT``
 before ``dA_kk``, so the ``K`` loop accumulates ``dT`` and the inverse's gradient follows it).
 """
@@ -30,6 +37,8 @@ from __future__ import annotations
 
 import helion.language as hl
 import torch
+
+from kda.backends.helion.halves import dot3, split, split_input
 
 
 def chunk_backward_kernel(
@@ -60,6 +69,7 @@ def chunk_backward_kernel(
     group: int,
     C: hl.constexpr,
     L2: hl.constexpr,
+    HALVES: hl.constexpr,  # training on 16-bit inputs: every product on bf16 halves
 ) -> None:
     NT = G.size(0)
     HV = G.size(1)
@@ -73,6 +83,8 @@ def chunk_backward_kernel(
         rows = chunk_starts[c] + idx
         valid = rows < chunk_seq_ends[c]
         T_c = T[c, hv, :, :]
+        if HALVES:
+            T_hi, T_lo = split(T_c.transpose(0, 1))  # T^T, the left operand of every product it enters
         b = beta[c, hv, :]
         if L2:  # the rows' l2norm scales
             r_q = hl.load(rstd_q, [rows, head], extra_mask=valid)  # [C]
@@ -81,13 +93,23 @@ def chunk_backward_kernel(
         dT = hl.zeros([C, C], dtype=torch.float32)
         db = hl.zeros([C], dtype=torch.float32)
         for tile_v in hl.tile(V):
-            do_v = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
-            v_v = hl.load(v, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
-            vn = v_new[c, hv, :, tile_v].to(torch.float32)
-            dvn = dv_new[c, hv, :, tile_v]
-            dA = hl.dot(do_v, vn.transpose(0, 1), acc=dA)
-            dT = hl.dot(dvn, (b[:, None] * v_v).transpose(0, 1), acc=dT)
-            dY = hl.dot(T_c.transpose(0, 1), dvn)
+            if HALVES:
+                v_v = hl.load(v, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+                do_hi, do_lo = split_input(hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]))
+                vn_hi, vn_lo = split(v_new[c, hv, :, tile_v].transpose(0, 1))
+                dvn_hi, dvn_lo = split(dv_new[c, hv, :, tile_v])
+                Y_hi, Y_lo = split((b[:, None] * v_v).transpose(0, 1))
+                dA = dot3(do_hi, do_lo, vn_hi, vn_lo, acc=dA)
+                dT = dot3(dvn_hi, dvn_lo, Y_hi, Y_lo, acc=dT)
+                dY = dot3(T_hi, T_lo, dvn_hi, dvn_lo)
+            else:
+                do_v = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+                v_v = hl.load(v, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+                vn = v_new[c, hv, :, tile_v].to(torch.float32)
+                dvn = dv_new[c, hv, :, tile_v]
+                dA = hl.dot(do_v, vn.transpose(0, 1), acc=dA)
+                dT = hl.dot(dvn, (b[:, None] * v_v).transpose(0, 1), acc=dT)
+                dY = hl.dot(T_c.transpose(0, 1), dvn)
             hl.store(dv, [rows, hv, tile_v], (b[:, None] * dY).to(dv.dtype), extra_mask=valid[:, None])
             db = db + torch.sum(dY * v_v, dim=1)
         for tile_k in hl.tile(K):
@@ -96,14 +118,26 @@ def chunk_backward_kernel(
             dkg = hl.zeros([C, tile_k], dtype=torch.float32)
             dgl = hl.zeros([tile_k], dtype=torch.float32)
             for tile_v in hl.tile(V):
-                do_v = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
-                vn = v_new[c, hv, :, tile_v].to(torch.float32)
-                dvn = dv_new[c, hv, :, tile_v]
-                h_kv = h[c, hv, tile_k, tile_v].to(torch.float32)
-                dh_kv = dh[c, hv, tile_k, tile_v]
-                dqe = hl.dot(do_v, h_kv.transpose(0, 1), acc=dqe)
-                dw = hl.dot(dvn, h_kv.transpose(0, 1), acc=dw)
-                dkg = hl.dot(vn, dh_kv.transpose(0, 1), acc=dkg)
+                if HALVES:
+                    h_kv = h[c, hv, tile_k, tile_v].to(torch.float32)
+                    dh_kv = dh[c, hv, tile_k, tile_v]
+                    do_hi, do_lo = split_input(hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]))
+                    vn_hi, vn_lo = split(v_new[c, hv, :, tile_v])
+                    dvn_hi, dvn_lo = split(dv_new[c, hv, :, tile_v])
+                    h_hi, h_lo = split(h_kv.transpose(0, 1))
+                    dh_hi, dh_lo = split(dh_kv.transpose(0, 1))
+                    dqe = dot3(do_hi, do_lo, h_hi, h_lo, acc=dqe)
+                    dw = dot3(dvn_hi, dvn_lo, h_hi, h_lo, acc=dw)
+                    dkg = dot3(vn_hi, vn_lo, dh_hi, dh_lo, acc=dkg)
+                else:
+                    do_v = hl.load(do, [rows, hv, tile_v], extra_mask=valid[:, None]).to(torch.float32)
+                    vn = v_new[c, hv, :, tile_v].to(torch.float32)
+                    dvn = dv_new[c, hv, :, tile_v]
+                    h_kv = h[c, hv, tile_k, tile_v].to(torch.float32)
+                    dh_kv = dh[c, hv, tile_k, tile_v]
+                    dqe = hl.dot(do_v, h_kv.transpose(0, 1), acc=dqe)
+                    dw = hl.dot(dvn, h_kv.transpose(0, 1), acc=dw)
+                    dkg = hl.dot(vn, dh_kv.transpose(0, 1), acc=dkg)
                 dgl = dgl + torch.sum(dh_kv * h_kv, dim=1)
             dw = -dw
             q_i = hl.load(q, [rows, head, tile_k], extra_mask=valid[:, None]).to(torch.float32)
@@ -116,8 +150,14 @@ def chunk_backward_kernel(
             e_G = torch.exp(G_i)
             to_last = torch.exp(G_last[None, :] - G_i)
             X = b[:, None] * k_i * e_G
-            dT = hl.dot(dw, X.transpose(0, 1), acc=dT)
-            dX = hl.dot(T_c.transpose(0, 1), dw)
+            if HALVES:
+                dw_hi, dw_lo = split(dw)
+                X_hi, X_lo = split(X.transpose(0, 1))
+                dT = dot3(dw_hi, dw_lo, X_hi, X_lo, acc=dT)
+                dX = dot3(T_hi, T_lo, dw_hi, dw_lo)
+            else:
+                dT = hl.dot(dw, X.transpose(0, 1), acc=dT)
+                dX = hl.dot(T_c.transpose(0, 1), dw)
             qe = scale * q_i * e_G
             kg = k_i * to_last
             dq_c[c, hv, :, tile_k] = scale * e_G * dqe
@@ -126,7 +166,12 @@ def chunk_backward_kernel(
             dG = dX * X + qe * dqe - kg * dkg
             dG_c[c, hv, :, tile_k] = dG + torch.where((idx == C - 1)[:, None], last[None, :], 0.0)
             db = db + torch.sum(dX * k_i * e_G, dim=1)
-        dA_kk = -hl.dot(hl.dot(T_c.transpose(0, 1), dT), T_c.transpose(0, 1))
+        if HALVES:
+            dT_hi, dT_lo = split(dT)
+            TdT_hi, TdT_lo = split(dot3(T_hi, T_lo, dT_hi, dT_lo))
+            dA_kk = -dot3(TdT_hi, TdT_lo, T_hi, T_lo)
+        else:
+            dA_kk = -hl.dot(hl.dot(T_c.transpose(0, 1), dT), T_c.transpose(0, 1))
         strict = idx[:, None] > idx[None, :]
         dA_kk = torch.where(strict, dA_kk, 0.0)
         db = db + torch.sum(dA_kk * M[c, hv, :, :], dim=1)

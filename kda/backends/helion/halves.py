@@ -29,17 +29,25 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (x - hi.to(torch.float32)).to(torch.bfloat16)
 
 
+def split_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A 16-bit input (``do``, ``v``) as bf16 halves, exactly: bf16 is one half (``lo`` None: no term),
+    fp16's 11 significant bits are ``hi`` (its top 8) plus ``lo`` (the other 3), both exact in bf16."""
+    if x.dtype == torch.bfloat16:
+        return x, None
+    return split(x.to(torch.float32))
+
+
 def dot3(
     a_hi: torch.Tensor,  # [M, R] bf16
-    a_lo: torch.Tensor,  # [M, R] bf16
+    a_lo: torch.Tensor | None,  # [M, R] bf16, or None where a is bf16 exactly
     b_hi: torch.Tensor,  # [R, N] bf16
-    b_lo: torch.Tensor,  # [R, N] bf16
+    b_lo: torch.Tensor | None,  # [R, N] bf16, or None where b is bf16 exactly
     acc: torch.Tensor | None = None,  # [M, N] fp32, added to
 ) -> torch.Tensor:
-    """``acc + a b`` ([M, N] fp32) from the halves of ``a`` and ``b``: three bf16 products, smallest first."""
-    if acc is None:
-        acc = hl.dot(a_lo, b_hi)
-    else:
-        acc = hl.dot(a_lo, b_hi, acc=acc)
-    acc = hl.dot(a_hi, b_lo, acc=acc)
-    return hl.dot(a_hi, b_hi, acc=acc)
+    """``acc + a b`` ([M, N] fp32) from the halves of ``a`` and ``b``: the bf16 products ``a_lo b_hi``,
+    ``a_hi b_lo``, ``a_hi b_hi``, smallest first; a missing ``lo`` drops its term (it is zero)."""
+    terms = [(a_lo, b_hi)] if a_lo is not None else []
+    terms += [(a_hi, b_lo)] if b_lo is not None else []
+    for a, b in terms:
+        acc = hl.dot(a, b) if acc is None else hl.dot(a, b, acc=acc)
+    return hl.dot(a_hi, b_hi) if acc is None else hl.dot(a_hi, b_hi, acc=acc)

@@ -233,16 +233,23 @@ def test_fp32_calls_and_inference_keep_their_storage(seed, interpreter, monkeypa
         assert saved is None and store == dtype
 
 
+@pytest.mark.parametrize(
+    "chunk_backward_on_halves", [False, True], ids=["chunk-backward-fp32", "chunk-backward-halves"]
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypatch, dtype):
+def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypatch, dtype, chunk_backward_on_halves):
     """A half-input training case against the float64 reference (every gradient at the policy's tolerance),
     with both serial passes shown to have run on the halves: the ``HALVES`` variant, ``w`` bf16 ``[NT, HV,
-    2, C, K]``, and the table key that selects their launch settings."""
+    2, C, K]``, and the table key that selects their launch settings; `chunk_backward` in the form its switch
+    asks (shipped off, `backward.CHUNK_BACKWARD_ON_HALVES`), both forms held to the reference."""
+    from kda.backends.helion import backward
+
+    monkeypatch.setattr(backward, "CHUNK_BACKWARD_ON_HALVES", chunk_backward_on_halves)
     passes: dict[str, tuple] = {}
     real = runtime.launch
 
     def recording(fn, precision, args, key):
-        if fn.__name__ in ("state_kernel", "state_backward_kernel"):
+        if fn.__name__ in ("state_kernel", "state_backward_kernel", "chunk_backward_kernel"):
             passes[fn.__name__] = (args, key)
         real(fn, precision, args, key)
 
@@ -251,7 +258,8 @@ def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypat
     result = run_case(interpreter, small_case(cc, "realistic", seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
     assert expected_gradients(cc) <= set(result.errors)
-    assert set(passes) == {"state_kernel", "state_backward_kernel"}
+    assert set(passes) == {"state_kernel", "state_backward_kernel", "chunk_backward_kernel"}
+    assert passes.pop("chunk_backward_kernel")[0][-1] is chunk_backward_on_halves  # its HALVES
     for name, (args, key) in passes.items():
         w = args[0] if name == "state_kernel" else args[5]
         assert args[-1] is True and key.halves and not key.half, name  # HALVES

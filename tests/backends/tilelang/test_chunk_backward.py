@@ -198,7 +198,7 @@ def test_the_reference_matches_the_helion_kernel(monkeypatch):
     kernel = helion.kernel(chunk_backward_kernel, static_shapes=False, dot_precision="ieee")
     kernel(
         *(inputs[name] for name in HELION_ORDER), layout.chunk_starts, layout.chunk_seq_ends,
-        *(outputs[name] for name in OUTPUTS), scale, group, C, False,
+        *(outputs[name] for name in OUTPUTS), scale, group, C, False, False,
     )  # fmt: skip
     expected = reference_chunk_backward(inputs, layout, C, scale, group)
     for name in OUTPUTS:

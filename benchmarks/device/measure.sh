@@ -40,8 +40,9 @@
 #                with Triton's cache alone (KDA_HELION_CODE_CACHE=0) -> times.txt
 #   helion-halves benchmarks/helion_halves.py: the training serial passes (state, state_backward) in three
 #                forms: fp32 operands in TF32x3, the backend's on bf16 halves, and variants reading every
-#                operand as stored halves; results compared then timed interleaved, at HALVES_SHAPES
-#                (default B4_T2048_H16_D128 B1_T8192_H96_D128)
+#                operand as stored halves; then chunk_backward's two forms (TF32x3, and halves at five
+#                launch settings) on a training call's own arguments; results compared then timed
+#                interleaved, at HALVES_SHAPES (default B4_T2048_H16_D128 B1_T8192_H96_D128)
 #   cp-scaling   benchmarks/cp_scaling.py under torchrun on 1, 2, 4 and 8 GPUs (as many as this machine has): the
 #                equality check of both context-parallel modes against the one-GPU call at W > 1, then a
 #                training step's time per mode for each CP_SETS entry ("tokens,tokens:heads ...", default

@@ -178,9 +178,11 @@ def test_training_on_half_inputs_keeps_w_and_A_qk_as_bf16_halves(seed, interpret
     """What the two serial passes multiply, ``w`` and ``A_qk``, is kept for the backward as bf16 halves
     ``[NT, HV, 2, C, D]`` (fp16 inputs too: fp16 halves could overflow) whose sum is the fp32 value the same
     kernels give with fp32 storage, to 2^-16 of it (``hi`` its nearest bf16, ``lo`` the rest's); the training
-    gradients on them are `test_the_training_serial_passes_multiply_halves`'s."""
+    gradients on them are `test_the_training_serial_passes_multiply_halves`'s. (The form is switched off
+    in the shipped backend, `forward.TRAINING_ON_HALVES`; here it is switched on.)"""
     from kda.backends.helion import forward
 
+    monkeypatch.setattr(forward, "TRAINING_ON_HALVES", True)
     inputs, spec = _small_call(dtype, training=True)
     saved = forward.helion_forward(inputs, spec).saved
     NT, C = 3, spec.chunk_size
@@ -241,9 +243,11 @@ def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypat
     """A half-input training case against the float64 reference (every gradient at the policy's tolerance),
     with both serial passes shown to have run on the halves: the ``HALVES`` variant, ``w`` bf16 ``[NT, HV,
     2, C, K]``, and the table key that selects their launch settings; `chunk_backward` in the form its switch
-    asks (shipped off, `backward.CHUNK_BACKWARD_ON_HALVES`), both forms held to the reference."""
-    from kda.backends.helion import backward
+    asks (shipped off, `backward.CHUNK_BACKWARD_ON_HALVES`), both forms held to the reference. Training on
+    halves is itself switched off in the shipped backend (`forward.TRAINING_ON_HALVES`); here it is on."""
+    from kda.backends.helion import backward, forward
 
+    monkeypatch.setattr(forward, "TRAINING_ON_HALVES", True)
     monkeypatch.setattr(backward, "CHUNK_BACKWARD_ON_HALVES", chunk_backward_on_halves)
     passes: dict[str, tuple] = {}
     real = runtime.launch
@@ -264,6 +268,30 @@ def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypat
         w = args[0] if name == "state_kernel" else args[5]
         assert args[-1] is True and key.halves and not key.half, name  # HALVES
         assert w.dtype == torch.bfloat16 and w.dim() == 5 and w.shape[2] == 2, (name, w.shape)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_shipped_training_on_half_inputs_keeps_fp32_intermediates(seed, interpreter, monkeypatch, dtype):
+    """The halves form is off as shipped (`forward.TRAINING_ON_HALVES`: its `state` kernel read shared memory
+    out of bounds on an H100): a half-input training case runs every kernel's ``HALVES``-off form on fp32
+    ``w`` and fp32 intermediates, under the table key without ``halves``, and passes the float64 reference."""
+    launched: dict[str, tuple] = {}
+    real = runtime.launch
+
+    def recording(fn, precision, args, key):
+        launched[fn.__name__] = (args, key)
+        real(fn, precision, args, key)
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    cc = case_class(dtype=dtype, varlen=True, gva=False, training=True)
+    result = run_case(interpreter, small_case(cc, "realistic", seed=seed), "cpu")
+    assert result.passed, (cc.key, result.reason, result.errors)
+    halves_flagged = ("scores_kernel", "solve_kernel", "state_kernel", "output_kernel", "state_backward_kernel")
+    for name in (*halves_flagged, "chunk_backward_kernel"):
+        args, key = launched[name]
+        assert args[-1] is False and not key.halves, name
+    assert launched["state_kernel"][0][0].dtype == torch.float32  # w
+    assert launched["state_kernel"][0][0].dim() == 4
 
 
 def test_the_helion_kernels_are_what_ran(seed, interpreter, monkeypatch):

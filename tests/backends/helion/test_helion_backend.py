@@ -173,6 +173,19 @@ def _small_call(dtype: torch.dtype, training: bool):
     return KDAInputs(q, k, v, g, beta, A_log, dt_bias, h0), spec
 
 
+def _record_launches(monkeypatch) -> dict[str, tuple]:
+    """Every kernel launch from here on, by kernel name: its arguments and table key (the last launch of each)."""
+    launched: dict[str, tuple] = {}
+    real = runtime.launch
+
+    def recording(fn, precision, args, key):
+        launched[fn.__name__] = (args, key)
+        real(fn, precision, args, key)
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    return launched
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_training_on_half_inputs_keeps_w_and_A_qk_as_bf16_halves(seed, interpreter, monkeypatch, dtype):
     """What the two serial passes multiply, ``w`` and ``A_qk``, is kept for the backward as bf16 halves
@@ -212,14 +225,7 @@ def test_fp32_calls_and_inference_keep_their_storage(seed, interpreter, monkeypa
     kernels); inference keeps them in its storage dtype, every kernel in its ``HALVES``-off variant."""
     from kda.backends.helion import forward
 
-    launched: dict[str, tuple] = {}
-    real = runtime.launch
-
-    def recording(fn, precision, args, key):
-        launched[fn.__name__] = (args, key)
-        real(fn, precision, args, key)
-
-    monkeypatch.setattr(runtime, "launch", recording)
+    launched = _record_launches(monkeypatch)
     inputs, spec = _small_call(dtype, training=training)
     saved = forward.helion_forward(inputs, spec).saved
     store = forward.storage_dtype(spec)
@@ -249,20 +255,13 @@ def test_the_training_serial_passes_multiply_halves(seed, interpreter, monkeypat
 
     monkeypatch.setattr(forward, "TRAINING_ON_HALVES", True)
     monkeypatch.setattr(backward, "CHUNK_BACKWARD_ON_HALVES", chunk_backward_on_halves)
-    passes: dict[str, tuple] = {}
-    real = runtime.launch
-
-    def recording(fn, precision, args, key):
-        if fn.__name__ in ("state_kernel", "state_backward_kernel", "chunk_backward_kernel"):
-            passes[fn.__name__] = (args, key)
-        real(fn, precision, args, key)
-
-    monkeypatch.setattr(runtime, "launch", recording)
+    launched = _record_launches(monkeypatch)
     cc = case_class(dtype=dtype, varlen=True, gva=True, training=True)
     result = run_case(interpreter, small_case(cc, "realistic", seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)
     assert expected_gradients(cc) <= set(result.errors)
-    assert set(passes) == {"state_kernel", "state_backward_kernel", "chunk_backward_kernel"}
+    names = ("state_kernel", "state_backward_kernel", "chunk_backward_kernel")
+    passes = {name: launched[name] for name in names}
     assert passes.pop("chunk_backward_kernel")[0][-1] is chunk_backward_on_halves  # its HALVES
     for name, (args, key) in passes.items():
         w = args[0] if name == "state_kernel" else args[5]
@@ -275,14 +274,7 @@ def test_shipped_training_on_half_inputs_keeps_fp32_intermediates(seed, interpre
     """The halves form is off as shipped (`forward.TRAINING_ON_HALVES`: its `state` kernel read shared memory
     out of bounds on an H100): a half-input training case runs every kernel's ``HALVES``-off form on fp32
     ``w`` and fp32 intermediates, under the table key without ``halves``, and passes the float64 reference."""
-    launched: dict[str, tuple] = {}
-    real = runtime.launch
-
-    def recording(fn, precision, args, key):
-        launched[fn.__name__] = (args, key)
-        real(fn, precision, args, key)
-
-    monkeypatch.setattr(runtime, "launch", recording)
+    launched = _record_launches(monkeypatch)
     cc = case_class(dtype=dtype, varlen=True, gva=False, training=True)
     result = run_case(interpreter, small_case(cc, "realistic", seed=seed), "cpu")
     assert result.passed, (cc.key, result.reason, result.errors)

@@ -86,7 +86,8 @@ def test_default_configurations_train_within_bounds(seed, compiled, checked_kern
 @pytest.mark.parametrize("training", [False, True], ids=["inference-bf16", "training-bf16"])
 def test_the_shipped_h200_configurations_within_bounds(seed, compiled, checked_kernel_addresses, monkeypatch, training):
     """K = V = 128, the head dims `tuned_sm90.json` holds: each kernel with an entry at the call's storage
-    (16-bit at inference; fp32 with ``w`` and ``A_qk`` as bf16 halves in training) must have compiled with
+    (16-bit at inference; fp32 in training, ``w`` and ``A_qk`` as bf16 halves where `forward.TRAINING_ON_HALVES`
+    is on) must have compiled with
     it (an entry Helion refuses falls back to the default, and says so through `configs.warn_default`);
     exactly the kernels without one run the default."""
     monkeypatch.setattr(forward, "arch", lambda device: "sm90")
@@ -97,7 +98,7 @@ def test_the_shipped_h200_configurations_within_bounds(seed, compiled, checked_k
     assert result.passed, (cc.key, result.reason, result.errors)
     assert kernels_run(checked_kernel_addresses) == kernels_of(cc)
     shipped = json.loads(configs.shipped_table_path("sm90").read_text())
-    key = configs.ShapeKey("sm90", 128, 128, 64, not training, halves=training)
+    key = configs.ShapeKey("sm90", 128, 128, 64, not training, halves=training and forward.TRAINING_ON_HALVES)
     with_entry = {
         name.removesuffix("_kernel")
         for name, entries in shipped.items()

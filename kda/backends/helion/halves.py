@@ -22,6 +22,15 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+# The fewest value columns a serial pass's program takes on halves. `state`'s bf16 product with a
+# transposed register tile as its left operand (``k_g^T v_new``) reads shared memory out of bounds on an
+# H100 (Triton 3.6, compute-sanitizer: "Invalid __shared__ read of size 1024 bytes") at 16 and 32 columns,
+# with 4 or 8 warps; at 64 and 128 it ran and matched the fp32 form to 5e-6, and with Hopper's wgmma
+# switched off (``DISABLE_MMA_V3=1``) it ran at 32 too: Triton's wgmma lowering of that operand at a narrow
+# N, not the kernel's indexing. `state_backward`'s ``q_e^T do`` and ``w^T dv_new`` have the same form and
+# take the same floor (`docs/design.md`, "The helion backend").
+MIN_BLOCK_V = 64
+
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (fp32, any shape) as its bf16 halves ``(hi, lo)``: ``hi + lo = x`` to within ``2^-16 |x|``."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
-from kda.backends.helion.halves import dot3, split
+from kda.backends.helion.halves import MIN_BLOCK_V, dot3, split
 
 
 def state_backward_kernel(
@@ -59,7 +59,10 @@ def state_backward_kernel(
     K = hl.specialize(w.size(-1))
     hl.specialize(q.size(2))
     V = dh.size(3)
-    for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, None]):
+    # on halves, no fewer value columns a program than MIN_BLOCK_V (`halves.py` says why); a configuration
+    # asking fewer is raised to it
+    block_v = hl.register_block_size(MIN_BLOCK_V if HALVES else 1, V)
+    for tile_n, tile_hv, tile_v in hl.tile([N, HV, V], block_size=[1, 1, block_v]):
         n = tile_n.begin
         hv = tile_hv.begin
         head = hv // group

@@ -12,7 +12,8 @@ Stages, one module and one Helion kernel each (the math is in each module's docs
 
 The backward (`backward`, the host wrapper) mirrors them: a reverse serial pass (`state_backward`), the
 per-chunk gradients of the state products and of the WY transform (`chunk_backward`), of the score
-matrices (`score_backward`), and the elementwise tails through the gate, beta and l2norm (`tails`).
+matrices (`score_backward`, with the exact diagonal blocks of steep strips in `score_diagonal`), and the
+elementwise tails through the gate, beta and l2norm (`tails`).
 
 It covers the whole contract: the gate modes, l2norm and beta sigmoid in kernel, ``allow_neg_eigval``,
 varlen, GVA, both state layouts, chunk 32 and 64, K and V of 64, 128 and 256 (any multiple of 16 up to
@@ -41,7 +42,7 @@ class HelionBackend(Backend):
     """kda's own Helion kernels: forward and training, on CUDA or in Helion's CPU interpreter."""
 
     name = "helion"
-    version = "8"  # bump whenever a kernel changes: verification records are kept per version
+    version = "9"  # bump whenever a kernel changes: verification records are kept per version
     priority = 4  # below triton and fla until measured faster: `kda.bench --tune` decides where it is
     trains = True
     writes_into_outputs = True

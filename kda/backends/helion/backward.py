@@ -1,5 +1,5 @@
-"""The backward pass: six launches (`state_backward`, `chunk_backward`, `score_backward`, `gate_tail`,
-`qk_tail` for q and for k), from q and k as given (with each row's l2norm scale) and the forward's saved
+"""The backward pass: seven launches (`state_backward`, `chunk_backward`, `score_backward`, `score_diagonal`,
+`gate_tail`, `qk_tail` for q and for k), from q and k as given (with each row's l2norm scale) and the forward's saved
 chunk-major intermediates (all fp32 when training).
 
 Scratch, chunk-major fp32: ``dh [NT, HV, K, V]``, ``dv_new [NT, HV, C, V]``, ``dq``/``dk``/``dG`` per value
@@ -13,7 +13,15 @@ import torch
 
 from kda.backends import chunks
 from kda.backends.base import KDAGradients, KDAInputs
-from kda.backends.helion import chunk_backward, forward, runtime, score_backward, state_backward, tails
+from kda.backends.helion import (
+    chunk_backward,
+    forward,
+    runtime,
+    score_backward,
+    score_diagonal,
+    state_backward,
+    tails,
+)
 from kda.spec import KDASpec
 
 # `chunk_backward`'s products on bf16 halves in training on half inputs (its ``HALVES`` form), as the two
@@ -72,11 +80,12 @@ def helion_backward(
             plan.halves and CHUNK_BACKWARD_ON_HALVES,
         )  # fmt: skip
         del dh, dv_new
-        run(
-            score_backward.score_backward_kernel,
-            q, k, rstd_q, rstd_k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c,
-            plan.group, C, L2,
-        )  # fmt: skip
+        for fn in (score_backward.score_backward_kernel, score_diagonal.score_diagonal_kernel):
+            run(
+                fn,
+                q, k, rstd_q, rstd_k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c,
+                plan.group, C, L2,
+            )  # fmt: skip
         del dP_qk, dP_kk
         dg32 = torch.empty(tokens, HV, K, dtype=f32, device=device)
         dbeta = torch.empty(tokens, HV, dtype=inputs.beta.dtype, device=device)

@@ -14,9 +14,11 @@ the chunk. The diagonal block joins those products (``dP`` cut to its causal tri
 strip's decay span against either anchor is at most 80 (``e^80`` is finite in fp32, as in `scores`) and
 its largest single log decay ``max |G_t - G_(t-1)|`` at most 8: ``da`` and ``db`` meet in ``dG`` as a
 difference, whose fp32 residual grows with the factors' exponents, and ``dA_log`` multiplies it by the log
-decays (the triton backend's rule, `DIFFERENCE_STEP`). Otherwise, decided per strip at run time, the block
-is exact: one unrolled step per row (or column) of the block, the exponent set to -inf outside the causal
-triangle before ``exp``. On the H200 the exact block for every strip was half the training step.
+decays (the triton backend's rule, `DIFFERENCE_STEP`; `by_product`). Otherwise, decided per strip at run
+time, the block is left out here and `score_diagonal` adds it exactly, one step per row (or column). Kept
+out of this kernel, its 16 unrolled steps no longer take this kernel's registers: compiled for sm_90a at
+B4_T2048_H16_D128 training, 196 B spilled a thread at Helion's default setting instead of 2304, none at
+16-wide key blocks and 4 warps (`benchmarks/helion_resources.py`; `docs/design.md`, "The helion backend").
 
 Then, per row of the strip::
 
@@ -31,6 +33,22 @@ from __future__ import annotations
 
 import helion.language as hl
 import torch
+
+
+def by_product(
+    G_strip: torch.Tensor,  # [16, K] the strip's rows of G
+    G_prev: torch.Tensor,  # [16, K] the row before each (the strip's first: itself)
+    G_first: torch.Tensor,  # [1, K] the strip's first row
+    G_end: torch.Tensor,  # [1, K] its last
+) -> torch.Tensor:
+    """Whether the strip's diagonal block joins the products through the anchors (a 0-d bool): its decay
+    span against either anchor at most 80 and its largest single log decay at most 8. `score_backward` and
+    `score_diagonal` decide alike from it (Helion inlines it into both)."""
+    from_first = torch.abs(G_strip - G_first)
+    from_end = torch.abs(G_strip - G_end)
+    span = torch.amax(torch.amax(torch.maximum(from_first, from_end), dim=1), dim=0)
+    step = torch.amax(torch.amax(torch.abs(G_strip - G_prev), dim=1), dim=0)
+    return (span <= 80.0) & (step <= 8.0)
 
 
 def score_backward_kernel(
@@ -66,15 +84,11 @@ def score_backward_kernel(
         G_strip = G[c, hv, tile_s, :]  # [16, K]
         previous = torch.where(tile_s.index > s, tile_s.index - 1, s)
         G_prev = hl.load(G, [c, hv, previous, slice(None)])  # [16, K] the row before each (the first: itself)
-        from_first = torch.abs(G_strip - G[c, hv, s, :][None, :])
-        from_end = torch.abs(G_strip - G[c, hv, s + 15, :][None, :])
-        span = torch.amax(torch.amax(torch.maximum(from_first, from_end), dim=1), dim=0)
-        step = torch.amax(torch.amax(torch.abs(G_strip - G_prev), dim=1), dim=0)
-        by_product = (span <= 80.0) & (step <= 8.0)
+        joined = by_product(G_strip, G_prev, G[c, hv, s, :][None, :], G[c, hv, s + 15, :][None, :])
         cols = hl.arange(C)
         col_ok = start + cols < end
-        before = (cols < torch.where(by_product, s + 16, s)) & col_ok  # the rows' product columns
-        after = (cols >= torch.where(by_product, s, s + 16)) & col_ok  # the columns' product rows
+        before = (cols < torch.where(joined, s + 16, s)) & col_ok  # the rows' product columns
+        after = (cols >= torch.where(joined, s, s + 16)) & col_ok  # the columns' product rows
         rows_causal = cols[None, :] <= tile_s.index[:, None]  # [16, C] j <= i, the strip as rows
         cols_causal = cols[:, None] >= tile_s.index[None, :]  # [C, 16] i >= j, the strip as columns
         dPq_rows = torch.where(rows_causal, dP_qk[c, hv, tile_s, :], 0.0)  # [16, C]
@@ -109,26 +123,6 @@ def score_backward_kernel(
             into_cols = torch.exp(G_end[None, :] - G_s)
             db_q = into_cols * hl.dot(dPq_cols.transpose(0, 1), q_all * decay_after)
             db_k = into_cols * hl.dot(dPk_cols.transpose(0, 1), k_all * decay_after)
-            if not by_product:  # the diagonal block, exactly: token j = s + jj as a column (da) and a row (db)
-                for jj in hl.static_range(16):
-                    j = s + jj
-                    j_ok = start + j < end
-                    k_j = torch.where(j_ok, hl.load(k, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(
-                        torch.float32
-                    )
-                    q_j = torch.where(j_ok, hl.load(q, [start + j, head, tile_k], extra_mask=j_ok), 0.0).to(
-                        torch.float32
-                    )
-                    if L2:
-                        k_j = k_j * hl.load(rstd_k, [start + j, head], extra_mask=j_ok)
-                        q_j = q_j * hl.load(rstd_q, [start + j, head], extra_mask=j_ok)
-                    G_j = G[c, hv, j, tile_k]
-                    e_col = torch.exp(torch.where((tile_s.index >= j)[:, None], G_s - G_j[None, :], float("-inf")))
-                    da_q = da_q + dP_qk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col
-                    da_k = da_k + dP_kk[c, hv, tile_s, j][:, None] * k_j[None, :] * e_col
-                    e_row = torch.exp(torch.where((tile_s.index <= j)[:, None], G_j[None, :] - G_s, float("-inf")))
-                    db_q = db_q + dP_qk[c, hv, j, tile_s][:, None] * q_j[None, :] * e_row
-                    db_k = db_k + dP_kk[c, hv, j, tile_s][:, None] * k_j[None, :] * e_row
             dq_c[c, hv, tile_s, tile_k] = dq_c[c, hv, tile_s, tile_k] + da_q
             dk_c[c, hv, tile_s, tile_k] = dk_c[c, hv, tile_s, tile_k] + da_k + db_q + db_k
             dG_c[c, hv, tile_s, tile_k] = dG_c[c, hv, tile_s, tile_k] + q_s * da_q + k_s * (da_k - db_q - db_k)

@@ -151,7 +151,7 @@ def test_each_kernel_multiplies_at_its_precision(seed, interpreter, monkeypatch,
     # the inverse's products are never single TF32: a 16-block's Neumann sum reaches ~3432 times the
     # inverse on correlated keys, past what its Newton step repairs from TF32's error
     assert launched.pop("solve") == {"tf32x3" if others == "tf32" else others}
-    assert len(launched) == (8 if training else 3), sorted(launched)
+    assert len(launched) == (9 if training else 3), sorted(launched)
     assert all(used == {others} for used in launched.values()), launched
 
 
@@ -471,6 +471,6 @@ def test_every_kernel_lowers_to_triton_without_a_gpu(monkeypatch, training):
     expected = {"normalize_kernel", "gate_kernel", "scores_kernel", "solve_kernel", "state_kernel", "output_kernel"}
     if training:
         backward.helion_backward(inputs, spec, result.saved, torch.randn(B, T, H, D, dtype=bf16), torch.randn_like(h0))
-        expected |= {"state_backward_kernel", "chunk_backward_kernel", "score_backward_kernel"}
+        expected |= {"state_backward_kernel", "chunk_backward_kernel", "score_backward_kernel", "score_diagonal_kernel"}
         expected |= {"gate_tail_kernel", "qk_tail_kernel"}
     assert set(lowered) == expected and all(size > 1000 for size in lowered.values())

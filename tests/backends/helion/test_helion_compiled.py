@@ -35,7 +35,7 @@ from kda.backends import helion as helion_backend
 from kda.backends.helion import configs, forward
 
 FORWARD_KERNELS = {"gate", "scores", "solve", "state", "output"}
-BACKWARD_KERNELS = {"state_backward", "chunk_backward", "score_backward", "gate_tail", "qk_tail"}
+BACKWARD_KERNELS = {"state_backward", "chunk_backward", "score_backward", "score_diagonal", "gate_tail", "qk_tail"}
 
 
 @pytest.fixture

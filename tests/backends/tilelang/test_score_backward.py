@@ -120,6 +120,7 @@ def test_reference_matches_the_helion_kernel(seed, monkeypatch, C, gate):
 
     from kda.backends.helion import runtime as helion_runtime
     from kda.backends.helion.score_backward import score_backward_kernel
+    from kda.backends.helion.score_diagonal import score_diagonal_kernel
 
     monkeypatch.setenv("HELION_INTERPRET", "1")  # read when the kernel object is made, below
     helion_runtime.register_cpu_matmul()
@@ -130,8 +131,9 @@ def test_reference_matches_the_helion_kernel(seed, monkeypatch, C, gate):
     dP_qk, dP_kk = torch.where(j <= i, dP_qk, 0.0), torch.where(j < i, dP_kk, 0.0)
     before = [torch.randn_like(G) for _ in range(3)]
     outputs = [x.clone() for x in before]
-    kernel = helion.kernel(score_backward_kernel, static_shapes=False, dot_precision="ieee")
-    kernel(q, k, G, G, G, dP_qk, dP_kk, starts, ends, *outputs, group, C, False)  # rows as given: no l2 scales
+    for fn in (score_backward_kernel, score_diagonal_kernel):  # the products, then the exact diagonal blocks
+        kernel = helion.kernel(fn, static_shapes=False, dot_precision="ieee")
+        kernel(q, k, G, G, G, dP_qk, dP_kk, starts, ends, *outputs, group, C, False)  # rows as given: no l2 scales
     found = errors(outputs, before, (q, k, G, dP_qk, dP_kk, starts, ends), group)
     assert max(found.values()) <= 1e-5, found
 

@@ -1,6 +1,8 @@
 """The backward pass: seven launches (`state_backward`, `chunk_backward`, `score_backward`, `score_diagonal`,
-`gate_tail`, `qk_tail` for q and for k), from q and k as given (with each row's l2norm scale) and the forward's saved
-chunk-major intermediates (all fp32 when training).
+`gate_tail`, `qk_tail` for q and for k), six where the gate bounds every strip's decays (the sigmoid and safe
+gates: `score_backward.within_limits`) and `score_diagonal` would only read `G` and stop; from q and k as
+given (with each row's l2norm scale) and the forward's saved chunk-major intermediates (all fp32 when
+training).
 
 Scratch, chunk-major fp32: ``dh [NT, HV, K, V]``, ``dv_new [NT, HV, C, V]``, ``dq``/``dk``/``dG`` per value
 head ``[NT, HV, C, K]``, ``dP_qk``/``dP_kk [NT, HV, C, C]``, ``dbeta [NT, HV, C]``. The sums over tokens
@@ -80,7 +82,10 @@ def helion_backward(
             plan.halves and CHUNK_BACKWARD_ON_HALVES,
         )  # fmt: skip
         del dh, dv_new
-        for fn in (score_backward.score_backward_kernel, score_diagonal.score_diagonal_kernel):
+        score_kernels = [score_backward.score_backward_kernel]
+        if not score_backward.within_limits(forward.GATES[spec.gate_mode], spec.lower_bound or 0.0):
+            score_kernels.append(score_diagonal.score_diagonal_kernel)  # steep strips possible: their blocks
+        for fn in score_kernels:
             run(
                 fn,
                 q, k, rstd_q, rstd_k, G, dP_qk, dP_kk, layout.chunk_starts, layout.chunk_seq_ends, dq_c, dk_c, dG_c,

@@ -34,6 +34,24 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+from kda.backends.helion.gate import SAFE, SIGMOID
+
+# A strip's diagonal block goes through the anchors when its decay span against either anchor is at most
+# SPAN_LIMIT and its largest single log decay at most STEP_LIMIT (`by_product` writes them as literals: a
+# module constant would reach Helion's generated code as a runtime argument)
+SPAN_LIMIT, STEP_LIMIT = 80.0, 8.0
+STRIP = 16  # rows a strip
+
+
+def within_limits(gate: int, lower_bound: float) -> bool:
+    """Whether the gate keeps every strip's diagonal block within the limits, so that `by_product` is true
+    for every strip and `score_diagonal` has nothing to add (the backward then does not launch it). The
+    sigmoid and safe gates give log decays ``|a_t| <= |lower_bound|`` (`gate`): a step of at most that and
+    a span over a strip's 15 steps of at most 15 times it (5 and 75 at the safe gate's -5). The pre-gated and
+    softplus gates bound nothing but the floor, so their strips decide on the GPU."""
+    bound = abs(lower_bound)
+    return gate in (SIGMOID, SAFE) and (STRIP - 1) * bound <= SPAN_LIMIT and bound <= STEP_LIMIT
+
 
 def by_product(
     G_strip: torch.Tensor,  # [16, K] the strip's rows of G
@@ -48,7 +66,7 @@ def by_product(
     from_end = torch.abs(G_strip - G_end)
     span = torch.amax(torch.amax(torch.maximum(from_first, from_end), dim=1), dim=0)
     step = torch.amax(torch.amax(torch.abs(G_strip - G_prev), dim=1), dim=0)
-    return (span <= 80.0) & (step <= 8.0)
+    return (span <= 80.0) & (step <= 8.0)  # SPAN_LIMIT, STEP_LIMIT: literals, as Helion compiles them in
 
 
 def score_backward_kernel(

@@ -440,10 +440,11 @@ def test_the_shipped_table_is_well_formed():
     assert data and all(configs._well_formed(e) for entries in data.values() for e in entries)
 
 
-@pytest.mark.parametrize("training", [False, True])
-def test_every_kernel_lowers_to_triton_without_a_gpu(monkeypatch, training):
+@pytest.mark.parametrize("training, safe_gate", [(False, True), (True, True), (True, False)])
+def test_every_kernel_lowers_to_triton_without_a_gpu(monkeypatch, training, safe_gate):
     """Helion's compiler (not the interpreter) turns each kernel into Triton source at a realistic shape
-    (K = V = 128, chunk 64, bf16), the configuration being Helion's default: what a GPU would compile."""
+    (K = V = 128, chunk 64, bf16), the configuration being Helion's default: what a GPU would compile. The
+    softplus gate bounds no strip's decays, so its training call lowers `score_diagonal` too."""
     monkeypatch.setenv("HELION_INTERPRET", "0")
     from kda.backends.base import KDAInputs
     from kda.backends.helion import backward, forward
@@ -461,16 +462,44 @@ def test_every_kernel_lowers_to_triton_without_a_gpu(monkeypatch, training):
     q, k, v, g = (torch.randn(B, T, H, D, dtype=bf16) for _ in range(4))
     beta = torch.randn(B, T, H, dtype=bf16)
     A_log, dt_bias, h0 = torch.randn(H), torch.randn(H * D), torch.randn(B, H, D, D)
-    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, safe_gate=True)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
     spec = KDASpec.from_call(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
-        lower_bound=-5.0, chunk_size=64, requires_grad=training, **flags,
+        safe_gate=safe_gate, lower_bound=-5.0 if safe_gate else None, chunk_size=64, requires_grad=training, **flags,
     )  # fmt: skip
     inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias, h0)
     result = forward.helion_forward(inputs, spec)
     expected = {"normalize_kernel", "gate_kernel", "scores_kernel", "solve_kernel", "state_kernel", "output_kernel"}
     if training:
         backward.helion_backward(inputs, spec, result.saved, torch.randn(B, T, H, D, dtype=bf16), torch.randn_like(h0))
-        expected |= {"state_backward_kernel", "chunk_backward_kernel", "score_backward_kernel", "score_diagonal_kernel"}
-        expected |= {"gate_tail_kernel", "qk_tail_kernel"}
+        expected |= {"state_backward_kernel", "chunk_backward_kernel", "score_backward_kernel"}
+        expected |= {"gate_tail_kernel", "qk_tail_kernel"} | (set() if safe_gate else {"score_diagonal_kernel"})
     assert set(lowered) == expected and all(size > 1000 for size in lowered.values())
+
+
+@pytest.mark.parametrize(
+    "gate_mode, lower_bound, bounded",
+    [
+        (GateMode.SAFE, -5.0, True),  # 15 steps of at most 5: a span of 75
+        (GateMode.SAFE, -0.01, True),
+        (GateMode.SIGMOID, -5.3, True),  # 79.5
+        (GateMode.SIGMOID, -5.4, False),  # 81: a strip may pass 80
+        (GateMode.SIGMOID, -8.0, False),  # the verifier's sigmoid classes
+        (GateMode.SOFTPLUS, 0.0, False),  # nothing bounds a softplus or pre-gated step but the floor
+        (GateMode.PREGATED, 0.0, False),
+    ],
+)
+def test_the_backward_leaves_out_score_diagonal_only_where_the_gate_bounds_every_strip(gate_mode, lower_bound, bounded):
+    """`score_backward.within_limits` decides on the host that no strip can be steep; where it says so, the
+    strip with the steepest decays that gate allows (every step at the bound, rows past it at the floor's
+    side) must go through the anchors by `by_product`, the decision the GPU takes, so that leaving the
+    exact kernel out changes nothing; where it does not, some strip of that gate is steep."""
+    from kda.backends.helion import forward, score_backward
+
+    gate = forward.GATES[gate_mode]
+    assert score_backward.within_limits(gate, lower_bound) is bounded
+    step = abs(lower_bound) if gate_mode in (GateMode.SAFE, GateMode.SIGMOID) else 9.0  # a softplus step of 9
+    G = -step * torch.arange(1, 17, dtype=torch.float32)[:, None].expand(16, 4)  # [16, K]: every step the largest
+    previous = torch.cat([G[:1], G[:-1]])
+    joined = bool(score_backward.by_product(G, previous, G[:1], G[-1:]))
+    assert joined is bounded

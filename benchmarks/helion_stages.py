@@ -13,6 +13,12 @@ row of each chunk) or gets a placeholder, a lower one where it reads a tile agai
 chunk's columns once per strip). Then the whole call: by an event pair around it, and as the bench times it
 (`kda.bench.timing.median_ms`), so that time outside the launches shows beside their sum in one process
 (on an H100 a training call at B4_T2048_H16_D128 was its launches: 7.82 ms, their sum 8.22).
+Each kernel is also replayed alone (``alone``): every launch of one recorded call timed back to back on its
+own arguments, as `kda.bench --tune-kernels helion` times a candidate. An event pair around a launch in the
+call also holds whatever the GPU waited for the host to issue it: where the host paces the call, the first
+kernel after a wait takes the wait (on an H100 at B4_T2048_H16_D128 training, `output` 1.241 ms in the
+call against 0.206 alone, `normalize` 0.250 against 0.034), so the column to read for a kernel's own time
+is ``alone``, and the in-call column's excess over it is host time. Rates are over the ``alone`` time.
 ``--sync-each`` prints each kernel's name before it runs and synchronizes after it, so that an illegal
 memory access names the kernel that made it. ``--case KEY`` runs a verification class's own
 cases instead (`kda.verify.check.run_case`: its inputs, sizes and seeds, printed first), with the backend's
@@ -27,6 +33,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,10 +53,33 @@ def argument_bytes(args: tuple) -> int:
     return sum(storages.values())
 
 
+Launch = tuple[str, Callable[..., Any], str, tuple, Any]  # kernel name, function, dot precision, args, table key
+
+
+def replay_alone(
+    recorded: list[Launch], launch: Callable[..., None], time_ms: Callable[..., float]
+) -> dict[str, float]:
+    """Per kernel, the milliseconds of its launches in one recorded call, each launch replayed alone on its own
+    arguments (`time_ms(fn)`: median of back-to-back calls) and summed over the kernel's launches (``qk_tail``
+    runs twice a call). Kernels that add into an argument change its values from run to run, not the work."""
+    alone: dict[str, float] = defaultdict(float)
+    for name, fn, precision, args, key in recorded:
+        alone[name] += time_ms(lambda fn=fn, precision=precision, args=args, key=key: launch(fn, precision, args, key))
+    return dict(alone)
+
+
+def time_alone(fn: Callable[[], None]) -> float:
+    """A launch's median ms, back to back (`median_ms`, shorter than the bench's: a call has a dozen)."""
+    return median_ms(fn, torch.device("cuda"), rep_ms=100)
+
+
 def instrument(times: dict[str, list[float]], sync_each: bool, moved: dict[str, int] | None = None) -> None:
     """Wrap `runtime.launch` so that each launch is timed by CUDA events (read after the call); with `moved`,
-    each kernel's argument bytes in one call are kept there too."""
+    each kernel's argument bytes in one call are kept there too. While `instrument.recording` is a list, each
+    launch is also appended to it (`Launch`), for `replay_alone`."""
     plain = runtime.launch
+    instrument.plain = plain  # type: ignore[attr-defined]
+    instrument.recording = None  # type: ignore[attr-defined]
     pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
     per_call_bytes: dict[str, int] = defaultdict(int)
 
@@ -62,6 +93,8 @@ def instrument(times: dict[str, list[float]], sync_each: bool, moved: dict[str, 
         end.record()
         pending.append((name, start, end))
         per_call_bytes[name] += argument_bytes(args)
+        if instrument.recording is not None:  # type: ignore[attr-defined]
+            instrument.recording.append((name, fn, dot_precision, args, key))  # type: ignore[attr-defined]
         if sync_each:
             torch.cuda.synchronize()
 
@@ -137,11 +170,28 @@ def main() -> None:
                 calls.append(start.elapsed_time(end))
             medians = {name: statistics.median(ms) for name, ms in times.items()}
             total = sum(medians.values())
-            for name, ms in sorted(medians.items(), key=lambda item: -item[1]):
-                rate = moved.get(name, 0) / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
+            alone: dict[str, float] = {}
+            if not args.sync_each:  # one more call recorded, each of its launches replayed alone
+                recorded: list[Launch] = []
+                instrument.recording = recorded  # type: ignore[attr-defined]
+                run()
+                instrument.recording = None  # type: ignore[attr-defined]
+                instrument.collect()  # type: ignore[attr-defined]
+                times.clear()
+                alone = replay_alone(recorded, instrument.plain, time_alone)  # type: ignore[attr-defined]
+            print(f"  {'kernel':16s} {'in call':>8s}     {'alone':>8s}     share  {'moved':>9s}     rate (alone)")
+            whole = sum(alone.values()) if alone else total  # the share is of the kernels' own time
+            for name, ms in sorted(medians.items(), key=lambda item: -alone.get(item[0], item[1])):
+                own = alone.get(name, ms)
+                rate = moved.get(name, 0) / (own * 1e-3) / 1e12 if own > 0 else 0.0
                 megabytes = moved.get(name, 0) / 1e6
-                print(f"  {name:16s} {ms:8.3f} ms  {100 * ms / total:5.1f}%  {megabytes:9.1f} MB  {rate:5.2f} TB/s")
-            print(f"  {'sum':16s} {total:8.3f} ms", flush=True)
+                shown = f"{alone[name]:8.3f} ms" if name in alone else f"{'':11s}"
+                print(
+                    f"  {name:16s} {ms:8.3f} ms  {shown}  {100 * own / whole:5.1f}%"
+                    f"  {megabytes:9.1f} MB  {rate:5.2f} TB/s"
+                )
+            sum_alone = f"  {sum(alone.values()):8.3f} ms" if alone else ""
+            print(f"  {'sum':16s} {total:8.3f} ms{sum_alone}", flush=True)
             # the call itself, as events see it and as the bench times it (do_bench: back to back, L2 flushed),
             # so that time outside the launches shows here, in one process
             print(f"  {'call (events)':16s} {statistics.median(calls):8.3f} ms", flush=True)

@@ -28,7 +28,7 @@
 #                the training kernels' variants (--train-sweep, one variant a process)
 #   profile      benchmarks/profile_kernels.py: per-kernel times (torch's profiler: every GPU kernel of a call,
 #                torch's own included) of PROFILE_BACKENDS (default "baseline:fla triton") at SWEEP_SHAPE
-#   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel at STAGE_SHAPES (default
+#   helion-stages benchmarks/helion_stages.py: the helion backend's time per kernel (in the call, and alone) at STAGE_SHAPES (default
 #                B4_T2048_H16_D128) in MODES (default fwd fwd_pregated train_safe), one process a mode; then
 #                the cases of the d256 training class that faulted (HELION_FAULT_CASE; empty skips it) with a
 #                synchronize after each launch, which names a faulting kernel

@@ -35,22 +35,15 @@ import helion.language as hl
 import torch
 
 from kda.backends.helion.gate import SAFE, SIGMOID
-
-# A strip's diagonal block goes through the anchors when its decay span against either anchor is at most
-# SPAN_LIMIT and its largest single log decay at most STEP_LIMIT (`by_product` writes them as literals: a
-# module constant would reach Helion's generated code as a runtime argument)
-SPAN_LIMIT, STEP_LIMIT = 80.0, 8.0
-STRIP = 16  # rows a strip
+from kda.backends.strips import bound_keeps_strips_within_limits
 
 
 def within_limits(gate: int, lower_bound: float) -> bool:
-    """Whether the gate keeps every strip's diagonal block within the limits, so that `by_product` is true
-    for every strip and `score_diagonal` has nothing to add (the backward then does not launch it). The
-    sigmoid and safe gates give log decays ``|a_t| <= |lower_bound|`` (`gate`): a step of at most that and
-    a span over a strip's 15 steps of at most 15 times it (5 and 75 at the safe gate's -5). The pre-gated and
-    softplus gates bound nothing but the floor, so their strips decide on the GPU."""
-    bound = abs(lower_bound)
-    return gate in (SIGMOID, SAFE) and (STRIP - 1) * bound <= SPAN_LIMIT and bound <= STEP_LIMIT
+    """Whether the gate keeps every strip's diagonal block within the limits (`kda.backends.strips`), so that
+    `by_product` is true for every strip and `score_diagonal` has nothing to add (the backward then does not
+    launch it). The sigmoid and safe gates give log decays ``|a_t| <= |lower_bound|`` (`gate`); the pre-gated
+    and softplus gates bound nothing but the floor, so their strips decide on the GPU."""
+    return gate in (SIGMOID, SAFE) and bound_keeps_strips_within_limits(lower_bound)
 
 
 def by_product(
@@ -66,7 +59,9 @@ def by_product(
     from_end = torch.abs(G_strip - G_end)
     span = torch.amax(torch.amax(torch.maximum(from_first, from_end), dim=1), dim=0)
     step = torch.amax(torch.amax(torch.abs(G_strip - G_prev), dim=1), dim=0)
-    return (span <= 80.0) & (step <= 8.0)  # SPAN_LIMIT, STEP_LIMIT: literals, as Helion compiles them in
+    # `strips.SPAN_LIMIT` and `STEP_LIMIT` as literals: a module constant would reach Helion's generated code
+    # as a runtime argument
+    return (span <= 80.0) & (step <= 8.0)
 
 
 def score_backward_kernel(

@@ -77,12 +77,11 @@ import functools
 
 import tilelang.language as T
 
+from kda.backends.strips import SPAN_LIMIT, STEP_LIMIT, bound_keeps_strips_within_limits
 from kda.backends.tilelang import gate
 from kda.backends.tilelang.intra import SPLIT, STRIP, high, low
 
 KEY_BLOCK = 64  # key columns a program: wgmma's M, and the work of a chunk spread over K / 64 programs
-SPAN_LIMIT = 80.0  # e^80 = 5.5e34: finite in fp32 and bf16, with room for |x| up to ~6e3
-STEP_LIMIT = 8.0  # the triton backend's `DIFFERENCE_STEP`
 # Two warpgroups: every product has the key block's 64 columns as M, and the two split its 16 strip columns
 # (`wgmma` of N = 8 each), while every elementwise loop (the exponentials and halves of the operands, most of
 # the kernel's work) halves per thread. The precedent is `intra`'s strips (4.73 to 2.13 ms at
@@ -95,8 +94,7 @@ def within_limits(gate_mode: int, lower_bound: float) -> bool:
     """Whether the gate keeps every strip within `SPAN_LIMIT` and `STEP_LIMIT`, so that no strip measures its
     span: the sigmoid and safe gates give ``|a_t| <= |lower_bound|``, a step of at most that and a span of
     at most 15 times it (75 and 5 for the safe gate's -5)."""
-    bound = abs(lower_bound)
-    return gate_mode in (gate.SIGMOID, gate.SAFE) and (STRIP - 1) * bound <= SPAN_LIMIT and bound <= STEP_LIMIT
+    return gate_mode in (gate.SIGMOID, gate.SAFE) and bound_keeps_strips_within_limits(lower_bound)
 
 
 @functools.cache

@@ -91,7 +91,7 @@ def lowered(kernel: str, mode: str, dim: int, variant: str | None) -> tuple[str,
     if not chosen:
         raise VariantError(f"{mode} launches no {kernel} (training modes add the backward's kernels)")
     builder = chosen[0].builder if variant is None else load_variant(f"{kernel}:variant={variant}").build
-    artifact = runtime.lower(builder(*chosen[0].params))
+    artifact = runtime.lower(builder(*chosen[0].params), configs=runtime.pass_configs(builder))
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
 

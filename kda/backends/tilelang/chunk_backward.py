@@ -57,6 +57,19 @@ in shared memory for the whole chunk): ``dA_qk``, ``dY`` (then ``dv`` and the fi
 ``dw``, ``dk_g``, ``dX``, the outputs on those columns and ``dT``'s second term (``dT`` needs every key
 column before ``dA_kk``). Last ``dA_kk`` from ``dT``, with the ``M`` part of ``dbeta``.
 
+Key blocks a block ahead. The key loop is `T.Pipelined` with two stages: a key block's tiles (``h``, ``dh``
+in fp32, ``G``, ``q``, ``k``, copied as they are stored) go to shared memory by ``cp.async`` while the block
+before it computes, two buffers each. One block an SM leaves nothing else to run while a block's loads
+arrive, and each of the four key blocks began with them. ``dh``'s halves and the row sums ``sum_v dh h``
+are then formed from the fp32 tile in shared memory (``dh`` was read from memory twice), and ``dG``'s
+rows but the last go straight to memory (the last waits for the column sums), which frees the
+``[C, BK]`` fp32 tile that held them for the second stage's buffers. ``q`` and ``k`` arrive raw: rows past
+the sequence's end (the next sequence's, in a varlen batch) are zeroed where `used` reads them, by ``r = 0``
+with the l2norm and by the row's index without it; rows past the tensor arrive as zeros (``cp.async``'s
+zero fill). TileLang's warp-specialized form of the pipeline would add a producer warpgroup, over which
+the 64-row products cannot be split (12 warps), so the builder asks for the plain one
+(``tl.disable_warp_specialized``, `runtime.pass_configs`).
+
 Waits. At C = 64 the products are `T.wgmma_gemm` (asynchronous), and the products of a step that read none
 of each other's results are issued together and waited on once: the value side's seven (``dA_qk``, ``dT``'s
 first term, ``dY``); in each key block the six state products (``dq_e``, ``dw``, ``dk_g``), then the six of
@@ -72,10 +85,10 @@ and `used` forms ``x r`` in fp32 at each use (``X``'s halves, ``k exp(G)``, ``q_
 `intra` formed, so the numbers are those of fp32 rows read from memory.
 
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic. Shared
-memory does not grow with ``K`` (blocked): 177152 bytes a block at C = 64, K = V = 128, so one block an SM,
-where nvcc gives 255 registers a thread (256 threads: the whole register file) and spills nothing (with fp32
-rows in shared memory and a wait after each product: 185344 bytes, 12 bytes spilled); 25 products, all
-``wgmma``. K = 256 fits; V = 256 does not at C = 64 (``V`` is not tiled).
+memory does not grow with ``K`` (blocked): 226304 bytes a block at C = 64, K = V = 128 (177152 with one
+buffer a tile), so one block an SM, where nvcc gives 255 registers a thread (256 threads: the whole register
+file) and spills 60 bytes; 25 products a chunk, all ``wgmma``. K = 256 fits; V = 256 does not at C = 64
+(``V`` is not tiled).
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which mypy cannot read)
@@ -124,11 +137,11 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
         """What `high` drops, rounded to the inputs' dtype."""
         return T.cast(x - T.cast(T.cast(x, dtype), f32), dtype)
 
-    def used(x_s, r_s, i, d):
+    def used(x_s, r_s, i, d, start, end):
         """Row ``i``, column ``d`` of q or k as the forward used it, in fp32: ``x r`` with the l2norm (`intra`'s
         product, so the same fp32 value), else ``x``."""
         x = T.cast(x_s[i, d], f32)
-        return x * r_s[i] if l2norm else x
+        return x * r_s[i] if l2norm else T.if_then_else(start + i < end, x, 0.0)
 
     @T.prim_func
     def chunk_backward_kernel(
@@ -171,8 +184,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
             T_hi = T.alloc_shared((C, C), dtype)
             T_lo = T.alloc_shared((C, C), dtype)
             b_s = T.alloc_shared((C,), f32)
-            # the chunk's rows' r, for every key block (0 past the end, where the rows load as 0); without the
-            # l2norm nothing reads them and TileLang allocates nothing
+            # the chunk's rows' r, for every key block (0 past the end, which zeroes those rows where `used`
+            # reads them); without the l2norm nothing reads them and TileLang allocates nothing
             r_q = T.alloc_shared((C,), f32)
             r_k = T.alloc_shared((C,), f32)
             # dbeta's parts, one row each: the value side's, then each key block's. A loop over fewer
@@ -185,6 +198,7 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
             row_sum = T.alloc_fragment((C,), f32)
             # a block of key columns
             h_s = T.alloc_shared((BK, V), dtype)
+            dh_s = T.alloc_shared((BK, V), f32)  # as stored: the halves and the row sums read it here
             dh_hi = T.alloc_shared((BK, V), dtype)
             dh_lo = T.alloc_shared((BK, V), dtype)
             G_s = T.alloc_shared((C, BK), f32)
@@ -194,10 +208,9 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
             x_lo = T.alloc_shared((C, BK), dtype)
             dw_hi = T.alloc_shared((C, BK), dtype)
             dw_lo = T.alloc_shared((C, BK), dtype)
-            dG_s = T.alloc_shared((C, BK), f32)  # dG's block, finished by the last row's column sums
+            dG_last = T.alloc_shared((BK,), f32)  # dG's last row, finished by the column sums
             kg_dkg = T.alloc_shared((C, BK), f32)
             dgl_s = T.alloc_shared((BK,), f32)
-            last_s = T.alloc_shared((BK,), f32)  # what dG's last row adds on the block's columns
             dqe = T.alloc_fragment((C, BK), f32)
             dw = T.alloc_fragment((C, BK), f32)  # dv_new h^T = -dw
             dkg = T.alloc_fragment((C, BK), f32)
@@ -256,18 +269,17 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
             for i in T.Parallel(C):
                 db_parts[0, i] = row_sum[i]
 
-            for kb in T.serial(blocks):
+            for kb in T.Pipelined(blocks, num_stages=2):
                 k0 = kb * BK
-                T.copy(h[c, hv, k0, 0], h_s)
-                T.copy(G[c, hv, 0, k0], G_s)
+                T.copy(h[c, hv, k0 : k0 + BK, 0:V], h_s)
+                T.copy(G[c, hv, 0:C, k0 : k0 + BK], G_s)
+                T.copy(dh[c, hv, k0 : k0 + BK, 0:V], dh_s)
+                T.copy(k[start : start + C, head, k0 : k0 + BK], k_s)
+                T.copy(q[start : start + C, head, k0 : k0 + BK], q_s)
                 for i, j in T.Parallel(BK, V):
-                    x = dh[c, hv, k0 + i, j]
+                    x = dh_s[i, j]
                     dh_hi[i, j] = high(x)
                     dh_lo[i, j] = low(x)
-                for i, j in T.Parallel(C, BK):
-                    ok = start + i < end
-                    k_s[i, j] = T.if_then_else(ok, k[start + i, head, k0 + j], T.cast(0, dtype))
-                    q_s[i, j] = T.if_then_else(ok, q[start + i, head, k0 + j], T.cast(0, dtype))
                 # the block's state products, on the value side's tiles and h's, dh's: one wait
                 gemm(do_s, h_s, dqe, transpose_B=True, clear_accum=True)
                 gemm(dvn_hi, h_s, dw, transpose_B=True, clear_accum=True)
@@ -278,12 +290,12 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                 if wgmma:
                     T.wait_wgmma(0)
                 for i, j in T.Parallel(BK, V):
-                    dh_h[i, j] = dh[c, hv, k0 + i, j] * T.cast(h_s[i, j], f32)
+                    dh_h[i, j] = dh_s[i, j] * T.cast(h_s[i, j], f32)
                 T.reduce_sum(dh_h, dgl, dim=1)
                 for j in T.Parallel(BK):
                     dgl_s[j] = T.exp(G_s[C - 1, j]) * dgl[j]
                 for i, j in T.Parallel(C, BK):
-                    x = used(k_s, r_k, i, j) * T.exp(G_s[i, j])
+                    x = used(k_s, r_k, i, j, start, end) * T.exp(G_s[i, j])
                     x_hi[i, j] = high(x)
                     x_lo[i, j] = low(x)
                     dw_hi[i, j] = high(-dw[i, j])
@@ -299,14 +311,18 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                     T.wait_wgmma(0)
                 for i, j in T.Parallel(C, BK):
                     e_G = T.exp(G_s[i, j])
-                    k_eG = used(k_s, r_k, i, j) * e_G
+                    k_eG = used(k_s, r_k, i, j, start, end) * e_G
                     e_tail = T.exp(G_s[C - 1, j] - G_s[i, j])
                     # q_e and k_g in fp32, from the rows and G (their bf16 copies cost dA_log its tolerance)
-                    kg_dk = used(k_s, r_k, i, j) * e_tail * dkg[i, j]
-                    q_e_dq = scale * used(q_s, r_q, i, j) * e_G * dqe[i, j]
+                    kg_dk = used(k_s, r_k, i, j, start, end) * e_tail * dkg[i, j]
+                    q_e_dq = scale * used(q_s, r_q, i, j, start, end) * e_G * dqe[i, j]
                     dq_c[c, hv, i, k0 + j] = scale * e_G * dqe[i, j]
                     dk_c[c, hv, i, k0 + j] = b_s[i] * e_G * dX[i, j] + e_tail * dkg[i, j]
-                    dG_s[i, j] = dX[i, j] * b_s[i] * k_eG + q_e_dq - kg_dk
+                    dG = dX[i, j] * b_s[i] * k_eG + q_e_dq - kg_dk
+                    if i < C - 1:
+                        dG_c[c, hv, i, k0 + j] = dG
+                    else:
+                        dG_last[j] = dG
                     kg_dkg[i, j] = kg_dk
                     db_part[i, j] = dX[i, j] * k_eG
                 T.reduce_sum(db_part, row_sum, dim=1)
@@ -319,9 +335,7 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                     total = dgl_s[j]
                     for i in T.serial(C):
                         total += kg_dkg[i, j]
-                    last_s[j] = total
-                for i, j in T.Parallel(C, BK):
-                    dG_c[c, hv, i, k0 + j] = dG_s[i, j] + T.if_then_else(i == C - 1, last_s[j], 0.0)
+                    dG_c[c, hv, C - 1, k0 + j] = dG_last[j] + total
 
             for i, j in T.Parallel(C, C):
                 x = dT[i, j] * b_s[j]
@@ -356,3 +370,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
                 dbeta_c[c, hv, i] = total
 
     return chunk_backward_kernel
+
+
+# the key blocks' tiles arrive a block ahead by cp.async (`T.Pipelined`); TileLang's warp-specialized
+# form would add a producer warpgroup, which the 64-row products cannot be split over (12 warps)
+build.pass_configs = {"tl.disable_warp_specialized": True}  # type: ignore[attr-defined]

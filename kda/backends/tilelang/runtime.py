@@ -81,6 +81,13 @@ def _reason(error: BaseException) -> str:
 
 Specialization = tuple[Callable[..., Any], tuple[Any, ...]]  # a kernel builder and its compile-time arguments
 
+
+def pass_configs(builder: Callable[..., Any]) -> dict[str, Any]:
+    """TileLang pass settings a kernel builder asks for (its ``pass_configs`` attribute; none by default),
+    used wherever its kernels are compiled or lowered, so that CI lowers what the GPU runs."""
+    return dict(getattr(builder, "pass_configs", {}))
+
+
 _compiled: dict[Specialization, Any] = {}
 _failed: dict[Specialization, CompileFailure] = {}
 _lock = threading.Lock()
@@ -114,7 +121,7 @@ def compile_all(specializations: list[Specialization]) -> list[Any]:
             where = target()
 
             def build(key: Specialization) -> Any:
-                return tilelang.compile(key[0](*key[1]), target=where)
+                return tilelang.compile(key[0](*key[1]), target=where, pass_configs=pass_configs(key[0]) or None)
 
             # lowering releases the GIL and nvcc is a process of its own, so threads compile in parallel
             with concurrent.futures.ThreadPoolExecutor(len(missing), "kda-tilelang") as pool:
@@ -131,14 +138,16 @@ def compile_all(specializations: list[Specialization]) -> list[Any]:
         return [_compiled[key] for key in specializations]
 
 
-def lower(prim_func: Any, arch: str = HOPPER) -> Any:
+def lower(prim_func: Any, arch: str = HOPPER, configs: dict[str, Any] | None = None) -> Any:
     """TileLang's lowered artifact of a kernel for ``arch``: ``.kernel_source`` is its CUDA source.
+    `configs`: TileLang pass settings, as the kernel's builder asks for them (`pass_configs`).
 
     Needs neither a GPU nor nvcc (CI runs it on a CPU)."""
     import tilelang
+    from tilelang.transform import PassContext
     from tvm.target import Target
 
-    with Target({"kind": "cuda", "arch": arch}):
+    with Target({"kind": "cuda", "arch": arch}), PassContext(config=configs or {}):
         return tilelang.lower(prim_func)
 
 

@@ -230,7 +230,9 @@ def _lower(claim: tuple[int, int, int, str]) -> tuple[str, int]:
 
     C, K, V, dtype = claim
     l2norm = dtype == "bfloat16"  # both kinds of rows: with the l2norm's scales and without
-    artifact = runtime.lower(chunk_backward.build(C, K, V, dtype, K**-0.5, l2norm))
+    artifact = runtime.lower(
+        chunk_backward.build(C, K, V, dtype, K**-0.5, l2norm), configs=runtime.pass_configs(chunk_backward.build)
+    )
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
 
@@ -254,25 +256,28 @@ def test_the_main_shapes_lower_to_tensor_core_products(lowered_main):
     for claim, (source, shared) in lowered_main.items():
         _check_lowered(claim, source, shared)
     # every fp32 operand goes in as two 16-bit halves: 2 + 3 (dY) + 2 (dA_qk) at the chunk, 1 + 2 + 3 + 3
-    # + 3 in the key loop, 3 + 3 for dA_kk: 25 products, none of them TF32
+    # + 3 in each of the four key blocks, 3 + 3 for dA_kk: 61 products a chunk, none of them TF32
     source = lowered_main[(64, 128, 128, "bfloat16")][0]
     assert "tf32" not in source.lower()
-    assert source.count("wgmma_ss") == 25
+    assert a_chunk(source, r"wgmma_ss<")[1] == 7 + 4 * 12 + 6
 
 
-def waits_a_chunk(source: str) -> tuple[int, int]:
-    """The waits on ``wgmma`` in a lowered chunk_backward: written in the source, and run for one chunk (the
-    key loop's, ``for (int kb = 0; kb < N; ...)``, N times), whether `T.wgmma_gemm`'s explicit waits or the
-    one `T.gemm` puts after each of its products."""
-    pattern = r"tl::wait_wgmma<0>\(\);|tl::warpgroup_wait<0>\(\);"
+WAITS = r"tl::wait_wgmma<0>\(\);|tl::warpgroup_wait<0>\(\);"
+
+
+def a_chunk(source: str, pattern: str) -> tuple[int, int]:
+    """How often `pattern` occurs in a lowered chunk_backward: written in the source, and run for one chunk
+    (the key loop's, ``for (int kb = 0; kb < N; ...)``, N times; the pipelined loop's first and last key
+    blocks are written out around it)."""
+    written = len(re.findall(pattern, source))
     loop = re.search(r"for \(int kb = 0; kb < (\d+); \+\+kb\) \{", source)
-    assert loop, "the key loop was not found in the lowered source"
+    if loop is None:  # two key blocks (K = 64): the pipeline writes both out
+        return written, written
     depth, end = 1, loop.end()
     while depth:  # the loop's closing brace
         depth += {"{": 1, "}": -1}.get(source[end], 0)
         end += 1
     inside = len(re.findall(pattern, source[loop.end() : end]))
-    written = len(re.findall(pattern, source))
     return written, written - inside + inside * int(loop.group(1))
 
 
@@ -280,13 +285,33 @@ def test_a_steps_independent_products_are_waited_on_once(lowered_main):
     """At chunk 64 the products go by `T.wgmma_gemm`, and the products of a step that read none of each other's
     results are issued together and waited on once: the value side's seven (dA_qk, dT's first term, dY); in
     each key block the six state products (dq_e, dw, dk_g), then the six of dw's halves (dT's term, dX);
-    then dA_kk's two steps (U = T^T dT, then U T^T). 5 waits written, 11 a chunk at K = 128 (four key
-    blocks), where a wait after each of the 25 products took 61."""
+    then dA_kk's two steps (U = T^T dT, then U T^T). 11 waits a chunk at K = 128 (four key blocks), where a
+    wait after each of the 61 products took 61."""
     source = lowered_main[(64, 128, 128, "bfloat16")][0]
-    assert source.count("wgmma_ss<") == 25 and "warpgroup_wait" not in source
-    assert waits_a_chunk(source) == (5, 11)
+    assert a_chunk(source, r"wgmma_ss<")[1] == 61 and "warpgroup_wait" not in source
+    assert a_chunk(source, WAITS)[1] == 11
     # chunk 32 is below wgmma's 64 rows: mma.sync, which has nothing to wait on
-    assert waits_a_chunk(lowered_main[(32, 64, 64, "float16")][0]) == (0, 0)
+    assert a_chunk(lowered_main[(32, 64, 64, "float16")][0], WAITS) == (0, 0)
+
+
+def test_a_key_blocks_tiles_arrive_while_the_block_before_it_computes(lowered_main):
+    """The key loop is pipelined: its tiles (h, dh, G, q, k) are copied by cp.async, each into two buffers,
+    the next block's issued before the current block's products, by the kernel's own 256 threads (TileLang's
+    warp-specialized form would add a producer warpgroup, which the 64-row products cannot be split over);
+    dh is read from memory once, into shared memory, where the shipped kernel before read it twice."""
+    for claim, (source, shared) in lowered_main.items():
+        assert "cp_async_gs" in source and "cp_async_wait" in source, claim
+        assert "tma_load" not in source and "warpgroup_reg" not in source, claim  # no producer warpgroup
+        assert re.search(r"__launch_bounds__\((256|128)", source), claim
+        assert shared <= H200_SHARED_MEMORY, (claim, shared)
+    source = lowered_main[(64, 128, 128, "bfloat16")][0]
+    loop = source[source.index("for (int kb = 0;") :]
+    # a block starts by waiting for tiles copied earlier, and issues a later block's copies among its products
+    assert loop.index("cp_async_wait") < loop.index("cp_async_gs") < loop.rindex("wait_wgmma")
+    # dh: copies into shared memory, and no thread reads it from global memory
+    assert re.search(r"cp_async_gs<16>\(\(&\(\(\(float\*\)dh_s\)", source)
+    reads = [line for line in source.splitlines() if re.search(r"\bdh\s*[\[+]", line)]
+    assert reads and all("cp_async_gs" in line for line in reads), reads
 
 
 @pytest.mark.slow
@@ -355,3 +380,14 @@ def test_the_kernel_matches_the_reference_on_the_gpu(case):
         # operands (seen on the H200: at most 5e-6 in bf16, 1.6e-6 in fp16); one bf16 rounding gives ~1e-3
         limit = (1e-2 if dtype == torch.bfloat16 else 2e-3) if n == "dv" else 2e-5
         assert relative_error(outputs[n].cpu(), expected[n]) < limit, (n, relative_error(outputs[n].cpu(), expected[n]))
+
+
+def test_only_the_pipelined_kernel_asks_for_the_plain_pipeline():
+    """`runtime.pass_configs` gives a builder's own TileLang pass settings, which compiling and lowering
+    apply: chunk_backward's turns warp specialization off (its 64-row products cannot be split over a
+    producer warpgroup's 12 warps); a builder that names none gets none."""
+    pytest.importorskip("tilelang", reason="TileLang is not installed (extra `tilelang`)")
+    from kda.backends.tilelang import chunk_backward, runtime, score_backward
+
+    assert runtime.pass_configs(chunk_backward.build) == {"tl.disable_warp_specialized": True}
+    assert runtime.pass_configs(score_backward.build) == {}

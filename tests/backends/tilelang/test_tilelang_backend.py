@@ -51,7 +51,7 @@ CLAIMED = [(chunk, dim, dtype) for chunk in CHUNKS for dim in HEAD_DIMS for dtyp
 
 
 def _lower(kernel: kernels.Kernel) -> tuple[str, int]:
-    artifact = runtime.lower(kernel.builder(*kernel.params))
+    artifact = runtime.lower(kernel.builder(*kernel.params), configs=runtime.pass_configs(kernel.builder))
     return artifact.kernel_source, runtime.shared_memory_bytes(artifact)
 
 

@@ -62,7 +62,8 @@
 #                variant's kernel is timed in the same process, interleaved with the shipped one; with PLANS
 #                ("split fused:64 ...") the forward's serial pass planned each way, the same way
 #   tilelang-ncu Nsight Compute (--set full) on NCU_LAUNCHES (default 1) launches of the tilelang kernels matching
-#                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) -> kernels.ncu-rep, details.txt
+#                NCU_KERNELS (default intra) at NCU_SHAPE (default B1_T8192_H96_D128) in NCU_MODE (default fwd;
+#                train_safe reaches the backward's kernels) -> kernels.ncu-rep, details.txt
 #                (every section as text), sass.csv (stall samples per instruction) and phases.txt (those samples
 #                between barriers: benchmarks/ncu_phases.py); the counters need a Firecracker machine
 #   tune-helion  `kda.bench --tune-kernels helion` at SHAPES in HELION_TUNE_MODES (default fwd and train_safe)
@@ -310,7 +311,7 @@ for target in "$@"; do
     if command -v ncu > /dev/null; then
       KDA_VERIFY=off timeout "$(left 20)" ncu --clock-control none --set full --kernel-name regex:"${NCU_KERNELS:-intra}" \
         --launch-count "${NCU_LAUNCHES:-1}" -f -o "$OUT/tilelang-ncu/kernels" python3 benchmarks/tilelang_stages.py \
-        --mode fwd --steps 1 "${NCU_SHAPE:-B1_T8192_H96_D128}" > "$OUT/tilelang-ncu/log.txt" 2>&1
+        --mode "${NCU_MODE:-fwd}" --steps 1 "${NCU_SHAPE:-B1_T8192_H96_D128}" > "$OUT/tilelang-ncu/log.txt" 2>&1
       echo "tilelang-ncu: exit $?"; tail -n 5 "$OUT/tilelang-ncu/log.txt"
       if [ -f "$OUT/tilelang-ncu/kernels.ncu-rep" ]; then
         ncu -i "$OUT/tilelang-ncu/kernels.ncu-rep" --print-details all > "$OUT/tilelang-ncu/details.txt" 2>&1

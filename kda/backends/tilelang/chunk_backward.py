@@ -73,8 +73,8 @@ the 64-row products cannot be split (12 warps), so the builder asks for the plai
 Waits. At C = 64 the products are `T.wgmma_gemm` (asynchronous), and the products of a step that read none
 of each other's results are issued together and waited on once: the value side's seven (``dA_qk``, ``dT``'s
 first term, ``dY``); in each key block the six state products (``dq_e``, ``dw``, ``dk_g``), then the six of
-``dw``'s halves (``dT``'s term, ``dX``); then ``U = T^T dT`` and ``U T^T``, which depend on each other. 5
-waits in the source, 11 a chunk at K = 128, where a wait after each product (`T.gemm`) made 61. A step's
+``dw``'s halves (``dT``'s term, ``dX``); then ``U = T^T dT`` and ``U T^T``, which depend on each other: 11
+waits a chunk at K = 128, where a wait after each of its 61 products (`T.gemm`) made 61. A step's
 products start after the barrier that publishes their operands and are waited on before the next one, so
 no shared tile is written while a product reads it. Chunk 32 is below wgmma's M = 64: `T.gemm`'s
 ``mma.sync``.
@@ -87,8 +87,8 @@ and `used` forms ``x r`` in fp32 at each use (``X``'s halves, ``k exp(G)``, ``q_
 Grid ``(NT, HV)``, `threads_for` ``C`` threads; ``tokens``, ``NT``, ``H`` and ``HV`` are symbolic. Shared
 memory does not grow with ``K`` (blocked): 226304 bytes a block at C = 64, K = V = 128 (177152 with one
 buffer a tile), so one block an SM, where nvcc gives 255 registers a thread (256 threads: the whole register
-file) and spills 60 bytes; 25 products a chunk, all ``wgmma``. K = 256 fits; V = 256 does not at C = 64
-(``V`` is not tiled).
+file) and spills 60 bytes; 25 products written (the key loop's twelve once), 61 a chunk at K = 128, all
+``wgmma``. K = 256 fits; V = 256 does not at C = 64 (``V`` is not tiled).
 """
 
 # (the kernel's tensors are annotations that are calls, `T.Tensor((NT, K), dtype)`, which mypy cannot read)
@@ -139,7 +139,8 @@ def build(C: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
 
     def used(x_s, r_s, i, d, start, end):
         """Row ``i``, column ``d`` of q or k as the forward used it, in fp32: ``x r`` with the l2norm (`intra`'s
-        product, so the same fp32 value), else ``x``."""
+        product, so the same fp32 value; ``r`` is 0 past the sequence's end), else ``x``, and 0 past the end
+        (the tiles arrive raw: those rows are the next sequence's)."""
         x = T.cast(x_s[i, d], f32)
         return x * r_s[i] if l2norm else T.if_then_else(start + i < end, x, 0.0)
 

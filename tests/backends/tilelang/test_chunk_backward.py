@@ -296,9 +296,9 @@ def test_a_steps_independent_products_are_waited_on_once(lowered_main):
 
 def test_a_key_blocks_tiles_arrive_while_the_block_before_it_computes(lowered_main):
     """The key loop is pipelined: its tiles (h, dh, G, q, k) are copied by cp.async, each into two buffers,
-    the next block's issued before the current block's products, by the kernel's own 256 threads (TileLang's
+    a later block's issued while the current block computes, by the kernel's own 256 threads (TileLang's
     warp-specialized form would add a producer warpgroup, which the 64-row products cannot be split over);
-    dh is read from memory once, into shared memory, where the shipped kernel before read it twice."""
+    dh is read from memory once, into shared memory, where version 15 read it twice."""
     for claim, (source, shared) in lowered_main.items():
         assert "cp_async_gs" in source and "cp_async_wait" in source, claim
         assert "tma_load" not in source and "warpgroup_reg" not in source, claim  # no producer warpgroup

@@ -83,8 +83,8 @@ def _cell(row: dict[str, Any] | None) -> str:
         reason = row.get("reason") or ""
         if "failed verification" in reason:
             return "unverified"  # kda refuses it: it did not meet the tolerance (see verify.json)
-        if "needs" in reason or "supports" in reason:
-            return "n/a"
+        if any(word in reason for word in ("needs", "supports", " only")):
+            return "n/a"  # the backend does not take this shape or mode (FlashKDA: "the safe gate only")
         return row["status"]
     text = _ms(row["median_ms"]) + _unsteady(row) + _ratio(row)
     if row["kind"] == "auto" and row.get("chose"):

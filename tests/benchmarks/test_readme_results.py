@@ -266,3 +266,17 @@ def test_a_backend_the_run_never_reached_is_not_called_a_quick_verification():
     reached = {"backend": "b", "case_class": "j", "status": "pass", "worst_ratio": 0.5, "cases": [{}]}
     (line,) = readme_results.verify_lines({"results": [*report["results"], reached]})
     assert "quick verification" in line
+
+
+@pytest.mark.parametrize(
+    ("reason", "cell"),
+    [
+        ("FlashKDA is an inference forward with the safe gate only", "n/a"),
+        ("FlashKDA needs CUDA and K = V = 128", "n/a"),
+        ("tilelang failed verification of this class", "unverified"),
+        ("flash_kda does not import (ImportError: no module)", "skipped"),
+    ],
+)
+def test_a_row_that_did_not_run_says_why_in_one_word(reason, cell):
+    row = {**_row("B1_T8_H1_D128", "baseline:flashkda", 1.0, 1.0), "status": "skipped", "reason": reason}
+    assert readme_results._cell(row) == cell

@@ -262,11 +262,18 @@ def section(snapshot: Path) -> list[str]:
     return lines + verifications(snapshot, where)
 
 
+def _version_label(print_: dict[str, Any]) -> str:
+    """``v17``, or ``v17 (forward v16)`` where the backend's inference classes were verified under an
+    earlier forward (`Backend.forward_version`)."""
+    version, forward = print_["backend_version"], print_.get("forward_version", print_["backend_version"])
+    return f"v{version}" + (f" (forward v{forward})" if forward != version else "")
+
+
 def verifications(snapshot: Path, where: str) -> list[str]:
     lines = []
     for verify in sorted(snapshot.glob("verify*.json")):
         report = json.loads(verify.read_text())
-        backends = ", ".join(f"{n} v{f['backend_version']}" for n, f in sorted(report.get("fingerprints", {}).items()))
+        backends = ", ".join(f"{n} {_version_label(f)}" for n, f in sorted(report.get("fingerprints", {}).items()))
         lines += [f"Verification on that machine (`{where}/{verify.name}`; {backends}):", ""]
         lines += [*verify_lines(report), ""]
     return lines

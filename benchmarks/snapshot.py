@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kda.bench import results
+from kda.case_class import trains
 from kda.verify.cli import NOT_RUN
 
 
@@ -73,19 +74,34 @@ def merge_bench(paths: list[Path]) -> dict[str, Any]:
     }
 
 
+def _forward_id(print_: dict[str, Any]) -> Any:
+    """The fingerprint id a backend's inference and decode classes were verified under (a report written
+    before `Backend.forward_version` existed has one id for both)."""
+    return print_.get("forward_id", print_.get("id"))
+
+
 def merge_verify(paths: list[Path]) -> dict[str, Any]:
     """One verification report from several ``kda.verify --json`` files, later files winning per class. A
     backend whose fingerprint changed (another version, packages or GPU) keeps only the later files' classes:
-    what was said of the old one is not about it. A class a stopped run did not reach ("not run") does not
-    replace an earlier result under the same fingerprint."""
+    what was said of the old one is not about it. Training classes and the others go by their own
+    fingerprints (`Backend.forward_version`): a change to the backward alone keeps the inference classes'
+    results. A class a stopped run did not reach ("not run") does not replace an earlier result under the
+    same fingerprint."""
     parts = [_read(p) for p in paths]
     found: dict[tuple[str, str], dict[str, Any]] = {}
     fingerprints: dict[str, Any] = {}
     unavailable: dict[str, Any] = {}
     for part in parts:
         for backend, print_ in part.get("fingerprints", {}).items():
-            if backend in fingerprints and fingerprints[backend].get("id") != print_.get("id"):
-                found = {key: result for key, result in found.items() if key[0] != backend}
+            earlier = fingerprints.get(backend)
+            if earlier is not None:
+                stale_training = earlier.get("id") != print_.get("id")
+                stale_forward = _forward_id(earlier) != _forward_id(print_)
+                found = {
+                    key: result
+                    for key, result in found.items()
+                    if key[0] != backend or not (stale_training if trains(key[1]) else stale_forward)
+                }
             fingerprints[backend] = print_
         unavailable.update(part.get("unavailable", {}))
         for result in part["results"]:

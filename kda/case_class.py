@@ -118,6 +118,12 @@ class CaseClass(BaseModel):
             raise ValueError(f"not a case-class key: {key!r}") from error
 
 
+def trains(key: str) -> bool:
+    """Whether the case class named `key` is a training one (its calls run the backward): ``.../train``.
+    Inference classes (``.../fwd``) and the decode op's (``recurrent/...``) are not."""
+    return key.endswith("/train")
+
+
 def head_dim_bucket(dim: int) -> HeadDim:
     """The smallest of 64, 128, 256 that holds `dim` (kernels tile head dimensions by these)."""
     return 64 if dim <= 64 else 128 if dim <= 128 else 256

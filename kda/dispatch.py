@@ -246,7 +246,9 @@ def decide(spec: AnySpec, request: Request = "auto") -> Decision:
     usable = [(b, seen) for b, seen in zip(candidates, considered) if seen.usable]
     ranking = None
     if names is None and len(usable) > 1:  # auto: measured speed first, then priority
-        order, ranking = timings.rank(spec, [(b.name, str(b.version), b.priority) for b, _ in usable])
+        order, ranking = timings.rank(
+            spec, [(b.name, b.version_for(spec.requires_grad), b.priority) for b, _ in usable]
+        )
         usable.sort(key=lambda pair: order.index(pair[0].name))
     for rank, (_, seen) in enumerate(usable):
         seen.rank = rank

@@ -104,6 +104,12 @@ def _add(backend: Backend, *, replace: bool) -> None:
         raise ValueError(
             f"a backend needs a class attribute `name` (a non-empty string other than 'auto'); got {name!r}"
         )
+    forward = getattr(backend, "forward_version", None)
+    if forward is not None and (isinstance(forward, bool) or not isinstance(forward, (str, int)) or str(forward) == ""):
+        raise ValueError(
+            f"backend {name!r}: `forward_version` is None or the version its inference calls run (a non-empty "
+            f"string); got {forward!r}"
+        )
     if name in _backends and not replace:
         raise ValueError(f"a backend named {name!r} is already registered ({_backends[name]!r}); pass replace=True")
     _backends[name] = backend

@@ -102,6 +102,34 @@ def test_the_table_makes_auto_use_the_fastest_verified_backend(seed):
     assert [r.backend for r in routes] == ["torch"]
 
 
+def test_a_backward_only_change_keeps_inference_timings_and_drops_training_ones(seed):
+    """`forward_version`: inference calls run version 3's kernels still, so version 3's inference timing
+    ranks them; a training timing of version 3 measured another backward, and counts for nothing."""
+
+    class BackwardChanged(Faster):
+        version = "4"
+        forward_version = "3"
+
+    kda.register_backend(BackwardChanged)
+    inference = kda.KDASpec.from_call(**call())
+    training_call = {name: x.requires_grad_() if name in ("q", "v") else x for name, x in call().items()}
+    training = kda.KDASpec.from_call(**training_call)
+    assert training.requires_grad and not inference.requires_grad
+    for spec, label in ((inference, "tiny / fwd"), (training, "tiny / train")):
+        timings.record(
+            "cpu",
+            label,
+            ShapePoint.of(spec),
+            {"torch": Measurement(2.0, TORCH_VERSION), "faster": Measurement(1.0, "3")},
+        )
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**call())
+    assert [r.backend for r in routes] == ["faster"]
+    with kda.trace_routes() as routes:
+        kda.chunk_kda(**training_call)[0].sum().backward()
+    assert {r.backend for r in routes} == {"torch"}  # the forward and its backward
+
+
 def test_a_timing_never_makes_an_unverified_backend_usable(seed):
     class Wrong(Faster):
         name = "wrong"

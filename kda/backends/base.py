@@ -9,7 +9,8 @@ error messages can say why it was or was not used:
 
 Then `forward` computes ``(o, final_state)`` and, for backends that train, `backward` computes every
 gradient from what `forward` saved. Bump `version` whenever the numbers a backend produces can
-change: it is part of the verification fingerprint, so a new version starts unverified.
+change: it is part of the verification fingerprint, so a new version starts unverified. A change to the
+backward alone may keep inference calls' records (`forward_version`).
 
 A backend never knows who calls it, with one hook: the verifier (`kda.verify.check`) runs every case of a
 backend inside `verification_scope()`, a context manager that does nothing by default. A backend may
@@ -162,6 +163,7 @@ class BackendInfo:
     trains: bool
     description: str = ""
     extras: dict[str, str] = field(default_factory=dict)
+    forward_version: str | None = None  # where it stands apart from `version` (`Backend.forward_version`)
 
 
 class Backend(abc.ABC):
@@ -170,6 +172,11 @@ class Backend(abc.ABC):
     Class attributes:
         name: unique registry name (``backend="name"`` selects it).
         version: bump when the numbers can change; part of the verification fingerprint.
+        forward_version: the version of what an inference call runs (the forward without gradients, and
+            the decode op), where a change moved the backward alone: set it to the version before the
+            change, and inference calls keep their verification records and timings, while training calls
+            (which run the forward too) are verified again under `version`. None (the default): `version`
+            covers both. When the forward's numbers can change, bump `version` and set this back to None.
         priority: static rank for ``auto`` when no timing decides (higher first). torch is 0.
         trains: whether `backward` is implemented; forward-only backends serve only calls that need no
             gradient.
@@ -182,6 +189,7 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
     version: ClassVar[str] = "0"
+    forward_version: ClassVar[str | None] = None
     priority: ClassVar[int] = 0
     trains: ClassVar[bool] = False
     writes_into_outputs: ClassVar[bool] = False
@@ -222,6 +230,13 @@ class Backend(abc.ABC):
         (docs/design.md, "The decode op"). Only called where `supports_recurrent` said yes."""
         raise NotImplementedError(f"backend {self.name!r} does not implement the decode op")
 
+    def version_for(self, training: bool) -> str:
+        """The version that a call's verification records and timings are kept under: `version` for a
+        training call, `forward_version` (when set) for an inference or decode call."""
+        if training or self.forward_version is None:
+            return str(self.version)
+        return str(self.forward_version)
+
     def fingerprint_extras(self) -> dict[str, str]:
         """Anything beyond the standard fingerprint that can change this backend's numbers."""
         return {}
@@ -236,8 +251,19 @@ class Backend(abc.ABC):
 
     def info(self) -> BackendInfo:
         return BackendInfo(
-            self.name, self.version, self.priority, self.trains, self.description, self.fingerprint_extras()
+            self.name,
+            self.version,
+            self.priority,
+            self.trains,
+            self.description,
+            self.fingerprint_extras(),
+            self.forward_version,
         )
 
+    def version_label(self) -> str:
+        """``v17``, or ``v17 (forward v16)`` where inference runs an earlier version's kernels."""
+        forward = self.version_for(training=False)
+        return f"v{self.version}" + (f" (forward v{forward})" if forward != str(self.version) else "")
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r} v{self.version}>"
+        return f"<{type(self).__name__} {self.name!r} {self.version_label()}>"

@@ -223,7 +223,7 @@ def run_decode(
                 row.graph_pct_floor = 100.0 * floor_ms / row.graph_ms if row.graph_ms > 0 else None
         if tune:
             measured = {
-                r.backend: timings.Measurement(r.median_ms, str(kda.get_backend(r.backend).version))
+                r.backend: timings.Measurement(r.median_ms, kda.get_backend(r.backend).version_for(training=False))
                 for r in group
                 if r.kind == "kda" and r.status == "ok" and r.median_ms is not None
             }

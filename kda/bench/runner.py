@@ -405,6 +405,6 @@ def _record_timings(config: BenchConfig, shape: BenchShape, mode: Mode, spec: KD
     for row in rows:
         if row.kind == "kda" and row.status == "ok" and row.median_ms is not None:
             backend = kda.get_backend(row.backend)
-            measured[row.backend] = timings.Measurement(row.median_ms, str(backend.version))
+            measured[row.backend] = timings.Measurement(row.median_ms, backend.version_for(spec.requires_grad))
     if measured:
         timings.record(config.device, f"{shape.name} / {mode.name}", timings.ShapePoint.of(spec), measured)

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     table.add_column("case class")
     for backend in runnable:
-        table.add_column(f"{backend.name} v{backend.version}")
+        table.add_column(f"{backend.name} {backend.version_label()}")
     missing: dict[str, Any] = {
         "status": "fail",
         "worst_ratio": None,
@@ -298,15 +298,26 @@ def main(argv: list[str] | None = None) -> int:
             "passed": ok,
             "seconds": round(elapsed, 1),
             **({"stopped": stopped} if stopped is not None else {}),
-            "fingerprints": {
-                b.name: {**fingerprint(b, device), "id": fingerprint_id(fingerprint(b, device))} for b in runnable
-            },
+            "fingerprints": {b.name: _fingerprint_entry(b, device) for b in runnable},
             "unavailable": {name: list(v.reasons) for name, v in unavailable.items()},
             "results": entries,
         }
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=1, default=_json_default)
     return 0 if ok else 1
+
+
+def _fingerprint_entry(backend, device: torch.device) -> dict[str, Any]:
+    """The report's word on what `backend`'s results were made under: its training classes' fingerprint
+    with its ``id``, and the id its inference and decode classes are kept under (``forward_id``; another
+    one where `Backend.forward_version` keeps an earlier forward's records)."""
+    training = fingerprint(backend, device)
+    return {
+        **training,
+        "id": fingerprint_id(training),
+        "forward_version": backend.version_for(training=False),
+        "forward_id": fingerprint_id(fingerprint(backend, device, training=False)),
+    }
 
 
 def _json_default(value: Any) -> Any:

@@ -5,6 +5,10 @@ numbers: backend name and version (plus its own extras), kda version, the versio
 helion, tilelang, flash_kda and fla, and the device (GPU name and compute capability, or the CPU). A new
 fingerprint has no records, so after any upgrade every backend starts unverified.
 
+A backend's training classes are kept under its `version`, its inference and decode classes under
+`Backend.version_for(training=False)`: where a change moved the backward alone (`Backend.forward_version`),
+the inference classes' fingerprint is the earlier version's, and their records stand.
+
 Storage: one JSON file per (backend, fingerprint) under ``<KDA_CACHE_DIR>/verification/``. Writers take
 an exclusive lock on a side file, re-read, merge and replace the file atomically, so concurrent
 processes never lose or corrupt each other's records (the lock, the atomic write and the tolerant read
@@ -28,6 +32,7 @@ import torch
 from kda import store as disk
 from kda._version import __version__
 from kda.backends.base import Backend
+from kda.case_class import trains
 from kda.store import TRACKED_PACKAGES, device_identity, package_versions
 from kda.verify.judge import assess
 from kda.verify.policy import Assessment
@@ -47,10 +52,12 @@ __all__ = [
 Source = Literal["verify", "lazy"]
 
 
-def fingerprint(backend: Backend, device: torch.device | str) -> dict[str, Any]:
+def fingerprint(backend: Backend, device: torch.device | str, *, training: bool = True) -> dict[str, Any]:
+    """What `backend`'s records of training classes (`training`) or of inference and decode classes are
+    kept under on `device`. The two are one where the backend has no `forward_version` of its own."""
     return {
         "backend": backend.name,
-        "backend_version": str(backend.version),
+        "backend_version": backend.version_for(training),
         "backend_extras": dict(sorted(backend.fingerprint_extras().items())),
         "kda": __version__,
         "packages": package_versions(),
@@ -132,30 +139,48 @@ class RecordStore:
         self._lock = threading.Lock()
         self.generation = 0  # bumped on every write by this process
 
-    def path_for(self, backend: Backend, device: torch.device | str) -> Path:
+    def path_for(self, backend: Backend, device: torch.device | str, *, training: bool = True) -> Path:
+        """The file of `backend`'s training classes (`training`) or of its inference and decode classes."""
         # Memoised on what the fingerprint is made of (not on object identity), so a backend whose
         # version or extras change gets a new file.
         extras = tuple(sorted((str(k), str(v)) for k, v in backend.fingerprint_extras().items()))
-        memo_key = (backend.name, str(backend.version), extras, str(device))
+        memo_key = (backend.name, backend.version_for(training), extras, str(device))
         path = self._paths.get(memo_key)
         if path is None:
-            fp = fingerprint(backend, device)
+            fp = fingerprint(backend, device, training=training)
             safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in backend.name)
             path = self._paths[memo_key] = self.root / "verification" / f"{safe_name}-{fingerprint_id(fp)}.json"
             self._expected[path] = json.loads(json.dumps(fp, default=_json_default))
         return path
 
     def load(self, backend: Backend, device: torch.device | str) -> dict[str, Record]:
-        return self._read(self.path_for(backend, device))
+        """Every record of `backend` on `device` that its versions stand behind: the training classes' from
+        the file of its `version`, the others' from the file of its forward version (a file that both
+        share holds both; where they differ, a training record in the forward's file is an earlier
+        backward's, and is not this backend's)."""
+        training = self._read(self.path_for(backend, device, training=True))
+        forward_path = self.path_for(backend, device, training=False)
+        if forward_path == self.path_for(backend, device, training=True):
+            return training
+        found = {key: r for key, r in self._read(forward_path).items() if not trains(key)}
+        found.update((key, r) for key, r in training.items() if trains(key))
+        return found
 
     def get(self, backend: Backend, device: torch.device | str, case_key: str) -> Record | None:
-        return self.load(backend, device).get(case_key)
+        return self._read(self.path_for(backend, device, training=trains(case_key))).get(case_key)
 
     def put(self, backend: Backend, device: torch.device | str, records: list[Record]) -> None:
-        """Store `records` (merged with those on disk). When the file cannot be written (an unwritable
-        cache, a directory or FIFO in the way), they are kept in memory for this process instead, with
-        one warning: the caller goes on, and does not verify the same class again."""
-        path = self.path_for(backend, device)
+        """Store `records` (merged with those on disk), each in the file of its class's kind (`path_for`).
+        When a file cannot be written (an unwritable cache, a directory or FIFO in the way), its records
+        are kept in memory for this process instead, with one warning: the caller goes on, and does not
+        verify the same class again."""
+        for training in (True, False):
+            mine = [record for record in records if trains(record.case_class) == training]
+            if mine:
+                self._put(backend, device, mine, training)
+
+    def _put(self, backend: Backend, device: torch.device | str, records: list[Record], training: bool) -> None:
+        path = self.path_for(backend, device, training=training)
         with self._lock:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +189,7 @@ class RecordStore:
                     for record in records:
                         current[record.case_class] = record
                     payload = {
-                        "fingerprint": fingerprint(backend, device),
+                        "fingerprint": fingerprint(backend, device, training=training),
                         "records": {key: rec.as_json() for key, rec in sorted(current.items())},
                     }
                     disk.write_json_atomic(path, payload, default=_json_default)

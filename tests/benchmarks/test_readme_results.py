@@ -280,3 +280,32 @@ def test_a_backend_the_run_never_reached_is_not_called_a_quick_verification():
 def test_a_row_that_did_not_run_says_why_in_one_word(reason, cell):
     row = {**_row("B1_T8_H1_D128", "baseline:flashkda", 1.0, 1.0), "status": "skipped", "reason": reason}
     assert readme_results._cell(row) == cell
+
+
+def test_a_backward_only_version_keeps_what_was_verified_of_the_inference_classes(tmp_path):
+    """`Backend.forward_version`: tilelang v17 runs v16's forward, so v16's inference results stand and its
+    training results go; a report written before forward ids existed has one id for both."""
+    fwd, train = "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/fwd", "safe/l2/sig/bf16/dense/mha/h0+ht/c64/d128/train"
+    old = _verify_file(
+        tmp_path / "old.json", {"tilelang": "16"}, [("tilelang", fwd, "pass"), ("tilelang", train, "pass")]
+    )
+    new = tmp_path / "new.json"
+    report = json.loads(old.read_text())
+    report["fingerprints"]["tilelang"] = {
+        "backend_version": "17",
+        "id": "tilelang-v17",
+        "forward_version": "16",
+        "forward_id": "tilelang-v16",
+    }
+    report["results"] = [{"backend": "tilelang", "case_class": "other/train", "status": "pass", "worst_ratio": 0.5}]
+    new.write_text(json.dumps(report))
+
+    status = {r["case_class"]: r["status"] for r in snapshot.merge_verify([old, new])["results"]}
+    assert status == {fwd: "pass", "other/train": "pass"}  # v16's training result is gone
+    merged = snapshot.merge_verify([old, new])
+    assert readme_results._version_label(merged["fingerprints"]["tilelang"]) == "v17 (forward v16)"
+    assert readme_results._version_label({"backend_version": "16", "id": "tilelang-v16"}) == "v16"
+
+    report["fingerprints"]["tilelang"]["forward_id"] = "tilelang-v17"  # the forward moved too
+    new.write_text(json.dumps(report))
+    assert {r["case_class"] for r in snapshot.merge_verify([old, new])["results"]} == {"other/train"}

@@ -109,9 +109,11 @@ def test_cli_passes_torch_and_writes_json_and_records(tmp_path, capsys):
     assert payload["unavailable"] == {}
     torch_backend = kda.get_backend("torch")
     fp = payload["fingerprints"]["torch"]
-    fp_id = fp.pop("id")
+    fp_id, forward_version, forward_id = fp.pop("id"), fp.pop("forward_version"), fp.pop("forward_id")
     assert fp == json.loads(json.dumps(fingerprint(torch_backend, "cpu")))
     assert fp_id == fingerprint_id(fingerprint(torch_backend, "cpu"))
+    # one version for both kinds of class: the inference classes' id is the same one
+    assert (forward_version, forward_id) == (torch_backend.version, fp_id)
     for r in payload["results"]:
         assert r["status"] == "pass"
         assert 0 < r["worst_ratio"] <= 1

@@ -40,6 +40,7 @@ from kda.verify.records import (
     fingerprint_id,
     package_versions,
 )
+from kda.verify.recurrent import recurrent_grid
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -161,6 +162,92 @@ def test_backend_version_changes_the_fingerprint_and_hides_old_records(tmp_path)
     assert store.get(Wrapped(), "cpu", key) is not None  # another instance, same name and version
     assert store.get(v2, "cpu", key) is None
     assert RecordStore(tmp_path).get(v2, "cpu", key) is None
+
+
+class BackwardChanged(Wrapped):
+    """`Wrapped` after a change to its backward alone: version 2, its inference calls still version 1's."""
+
+    version = "2"
+    forward_version = "1"
+
+
+FORWARD_KEY = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/fwd"
+TRAINING_KEY = "pregated/qk/beta/fp32/dense/mha/nostate/c32/d64/train"
+DECODE_KEY = recurrent_grid()[0].key  # the decode op's classes are inference ones
+
+
+def decode_record(key: str) -> Record:
+    """A record of a decode class (its cases do not matter here: only where the store keeps it)."""
+    return Record(key, "verify", True, "cpu", cases=[])
+
+
+def test_a_backward_only_change_keeps_inference_records_and_drops_training_ones(tmp_path):
+    store = RecordStore(tmp_path)
+    store.put(Wrapped(), "cpu", [record(FORWARD_KEY), record(TRAINING_KEY), decode_record(DECODE_KEY)])
+    changed = BackwardChanged()
+
+    assert store.get(changed, "cpu", FORWARD_KEY) is not None
+    assert store.get(changed, "cpu", DECODE_KEY) is not None
+    assert store.get(changed, "cpu", TRAINING_KEY) is None  # the backward it ran is not this one
+    assert set(store.load(changed, "cpu")) == {FORWARD_KEY, DECODE_KEY}
+    assert set(RecordStore(tmp_path).load(changed, "cpu")) == {FORWARD_KEY, DECODE_KEY}  # a fresh store too
+    # the inference classes' fingerprint is version 1's, the training classes' version 2's
+    assert fingerprint(changed, "cpu", training=False) == fingerprint(Wrapped(), "cpu")
+    assert fingerprint(changed, "cpu")["backend_version"] == "2"
+
+
+def test_training_records_go_under_the_version_and_inference_ones_under_the_forward_version(tmp_path):
+    store = RecordStore(tmp_path)
+    changed = BackwardChanged()
+    store.put(changed, "cpu", [record(TRAINING_KEY, 0.5), record(FORWARD_KEY, 0.75)])
+
+    training_file = store.path_for(changed, "cpu", training=True)
+    forward_file = store.path_for(changed, "cpu", training=False)
+    assert training_file != forward_file
+    assert set(json.loads(training_file.read_text())["records"]) == {TRAINING_KEY}
+    assert set(json.loads(forward_file.read_text())["records"]) == {FORWARD_KEY}
+    assert json.loads(forward_file.read_text())["fingerprint"]["backend_version"] == "1"
+    assert store.get(changed, "cpu", TRAINING_KEY).worst_ratio == pytest.approx(0.5)
+    assert store.get(changed, "cpu", FORWARD_KEY).worst_ratio == pytest.approx(0.75)
+    # version 1 finds the inference record (the same forward) and not the training one
+    assert store.get(Wrapped(), "cpu", FORWARD_KEY) is not None
+    assert store.get(Wrapped(), "cpu", TRAINING_KEY) is None
+
+    # and a later version that moves the forward too (no forward_version) finds neither
+    class ForwardChangedToo(Wrapped):
+        version = "3"
+
+    assert store.get(ForwardChangedToo(), "cpu", FORWARD_KEY) is None
+    assert store.get(ForwardChangedToo(), "cpu", TRAINING_KEY) is None
+
+
+def test_without_a_forward_version_both_kinds_share_one_file(tmp_path):
+    store = RecordStore(tmp_path)
+    plain = Wrapped()
+    assert store.path_for(plain, "cpu", training=True) == store.path_for(plain, "cpu", training=False)
+    store.put(plain, "cpu", [record(TRAINING_KEY), record(FORWARD_KEY)])
+    assert set(store.load(plain, "cpu")) == {TRAINING_KEY, FORWARD_KEY}
+    assert len(list((tmp_path / "verification").glob("*.json"))) == 1
+
+
+def test_version_label_names_the_forward_where_it_stands_apart():
+    assert Wrapped().version_label() == "v1"
+    assert BackwardChanged().version_label() == "v2 (forward v1)"
+    assert BackwardChanged().version_for(training=True) == "2"
+    assert BackwardChanged().version_for(training=False) == "1"
+    assert "forward v1" in repr(BackwardChanged())
+    assert BackwardChanged().info().forward_version == "1"
+
+
+@pytest.mark.parametrize("bad", ["", 1.5, True, ["1"]])
+def test_a_backend_with_a_malformed_forward_version_is_refused_with_its_name(bad):
+    class Malformed(Wrapped):
+        name = "malformed-forward-version"
+        forward_version = bad
+
+    with pytest.raises(ValueError, match=r"malformed-forward-version.*forward_version"):
+        kda.register_backend(Malformed)
+    assert "malformed-forward-version" not in [b.name for b in kda.registered_backends()]
 
 
 def test_fingerprint_extras_and_name_enter_the_fingerprint(tmp_path):

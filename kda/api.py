@@ -274,10 +274,10 @@ def chunk_kda(
     )
     if torch.compiler.is_compiling():  # one custom op in the graph: kda.library (~0.15 us here when eager)
         return library.chunk_kda_call(args, kwargs, backend)  # (which refuses cp_context: eager only)
-    if cp_context is not None:  # kda.distributed splits the call over the group and comes back here per rank
+    if cp_context is not None:  # kda.distributed splits the call over the group; each rank's part comes back here
         from kda import distributed
 
-        return distributed.chunk_kda_cp(args, kwargs, backend)
+        return distributed.chunk_kda_cp(args, kwargs, backend, local=chunk_kda)
     v_dtype = v.dtype if isinstance(v, torch.Tensor) else None
     spec, args = _prepare(args, kwargs)
     return _run(spec, args, backend, v_dtype if v_dtype is not None else spec.dtype)

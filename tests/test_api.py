@@ -171,7 +171,7 @@ def test_every_argument_is_passed_on(monkeypatch):
         seen.append(args)
         raise Stop
 
-    def capture_cp(args, extra, backend):  # a call with cp_context goes to kda.distributed instead
+    def capture_cp(args, extra, backend, local):  # a call with cp_context goes to kda.distributed instead
         return capture(args, extra)
 
     from kda import distributed

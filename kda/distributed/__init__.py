@@ -15,6 +15,7 @@ rank's share: sum them over the group, as data parallelism does for parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,9 +30,12 @@ _OWN = {"q", "k", "v", "g", "beta", "initial_state", "output_final_state", "stat
 _OWN |= {"cu_seqlens", "cu_seqlens_cpu", "cp_context", "A_log", "dt_bias"}
 
 
-def chunk_kda_cp(args: KDAArguments, kwargs: dict[str, Any], backend: Any) -> tuple[Any, ...]:
-    """`kda.chunk_kda` with ``cp_context``: this rank's ``(o, final_state or None)``."""
-    from kda import api
+def chunk_kda_cp(
+    args: KDAArguments, kwargs: dict[str, Any], backend: Any, *, local: Callable[..., tuple[Any, ...]]
+) -> tuple[Any, ...]:
+    """`kda.chunk_kda` with ``cp_context``: this rank's ``(o, final_state or None)``. `local` is
+    `kda.chunk_kda` itself, handed down by the API, which computes each rank's part without the context:
+    the arrows run one way (api -> distributed), and this package never imports the API above it."""
     from kda.distributed.heads import head_parallel
     from kda.distributed.sequence import sequence_parallel
 
@@ -61,7 +65,7 @@ def chunk_kda_cp(args: KDAArguments, kwargs: dict[str, Any], backend: Any) -> tu
         h0 = h0.transpose(-1, -2)  # computed as [N, HV, K, V] inside
 
     def run(inputs, initial_state, cu, cu_cpu, A_log, dt_bias):
-        o, final = api.chunk_kda(
+        o, final = local(
             **inputs, initial_state=initial_state, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
             A_log=A_log, dt_bias=dt_bias, backend=backend, **common, **kwargs,
         )  # fmt: skip

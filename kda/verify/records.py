@@ -174,10 +174,12 @@ class RecordStore:
         When a file cannot be written (an unwritable cache, a directory or FIFO in the way), its records
         are kept in memory for this process instead, with one warning: the caller goes on, and does not
         verify the same class again."""
-        for training in (True, False):
-            mine = [record for record in records if trains(record.case_class) == training]
-            if mine:
-                self._put(backend, device, mine, training)
+        by_file: dict[Path, tuple[bool, list[Record]]] = {}  # one write a file, where both kinds share one
+        for record in records:
+            training = trains(record.case_class)
+            by_file.setdefault(self.path_for(backend, device, training=training), (training, []))[1].append(record)
+        for training, mine in by_file.values():
+            self._put(backend, device, mine, training)
 
     def _put(self, backend: Backend, device: torch.device | str, records: list[Record], training: bool) -> None:
         path = self.path_for(backend, device, training=training)
